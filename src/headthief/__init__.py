@@ -1,0 +1,22 @@
+"""headthief: recover the parameters of attention heads from black-box queries.
+
+Implements and extends Bhattamishra, Shah, Hahn, Kanade, "Provably Learning Attention with Queries"
+(arXiv:2601.16873). ``import headthief`` needs only numpy and scipy; heavier frameworks are imported
+inside the functions that need them.
+"""
+
+from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
+                     OracleError, SpecError)
+from .extraction import Extraction, Fidelity, exact_query_count, extract_exact
+from .models import AttentionHead, random_head
+from .oracles import CallableOracle, ModelOracle, Oracle, Transcript
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionHead", "random_head",
+    "Oracle", "ModelOracle", "CallableOracle", "Transcript",
+    "extract_exact", "exact_query_count", "Extraction", "Fidelity",
+    "HeadthiefError", "BudgetExceeded", "NotIdentifiable", "InvalidQuery", "OracleError",
+    "ConvergenceError", "SpecError",
+]

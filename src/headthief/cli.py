@@ -1,0 +1,215 @@
+"""Command line: ``headthief extract``, ``headthief targets``.
+
+Exit codes: 0 done; 2 not identifiable or bad input (one line on stderr); 3 query budget exceeded
+(stderr says how many queries were spent); 4 the oracle failed or a bounded procedure did not
+converge; 130 interrupted (the transcript, if one was asked for, is saved first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import __version__
+from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
+                     OracleError, SpecError)
+from .extraction.result import Extraction
+from .oracles.base import Oracle
+from .oracles.transcript import Transcript
+from .targets import Target, describe, resolve
+
+
+@dataclass(frozen=True)
+class Method:
+    """A CLI method: ``run(oracle, target, args, progress) -> Extraction``; ``expected`` gives the
+    planned query count (for the progress bar), or None when it is not known in advance."""
+
+    run: Callable[..., Extraction]
+    expected: Callable[[Target, argparse.Namespace], int | None]
+    help: str
+
+
+def _run_exact(oracle, target, args, progress):
+    from .extraction.exact import extract_exact
+    return extract_exact(oracle, probes=args.probes, bias=target.bias, scales=args.scales,
+                         rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_exact(target, args):
+    from .extraction.exact import exact_query_count
+    return exact_query_count(target.d, bias=target.bias)
+
+
+METHODS: dict[str, Method] = {
+    "exact": Method(_run_exact, _expected_exact,
+                    "Theorem 4.1: d^2 + d queries (d^2 + 2d + 1 with biases), exact recovery"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headthief", description="Recover attention-head parameters from black-box queries.")
+    p.add_argument("--version", action="version", version=f"headthief {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("extract", help="extract a head from a target and report errors and cost")
+    e.add_argument("--target", required=True, help="target spec (see `headthief targets`)")
+    e.add_argument("--method", default="exact", help=f"one of: {', '.join(METHODS)}")
+    e.add_argument("--seed", type=int, default=0, help="seed of the extraction's own randomness (default 0)")
+    e.add_argument("--budget", type=int, default=None, help="most queries the oracle may answer")
+    e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
+    e.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    e.add_argument("--d", type=int, default=None, help="token dimension (py: targets)")
+    e.add_argument("--bias", action="store_true", help="the py: target may have score/output biases")
+    e.add_argument("--probes", choices=["basis", "gaussian"], default="basis",
+                   help="probe design for exact: the paper's e_l / e_l+e_p probes, or Gaussian probes")
+    e.add_argument("--scales", choices=["adaptive", "unit"], default="adaptive",
+                   help="probe scales: chosen from the answers (default) or the paper's unit probes")
+    e.add_argument("--verify", type=int, default=256, metavar="N",
+                   help="fidelity check on N fresh random sequences (0 to skip; default 256)")
+    e.add_argument("--transcript", metavar="PATH.npz",
+                   help="keep every answer here; re-running with the same file replays what was paid for")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub.add_parser("targets", help="list the available target kinds")
+    return p
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, total: int | None, label: str, enabled: bool):
+        self.bar = None
+        self.count = 0
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task(label, total=total)
+            self.bar.start()
+
+    def __call__(self, n: int) -> None:
+        self.count += n
+        if self.bar is not None:
+            self.bar.update(self.task, advance=n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _fail(code: int, msg: str) -> int:
+    print(f"headthief: {msg}", file=sys.stderr)
+    return code
+
+
+def _num(x):
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def report(target: Target, method: str, res: Extraction, fidelity, args) -> dict:
+    errs = res.errors(target.truth) if target.truth is not None else {
+        "W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
+    out = {
+        "target": target.spec, "method": method, "d": res.d, "rank": res.rank, "queries": res.queries,
+        **{k: _num(v) for k, v in errs.items()},
+        "fidelity_max_rel_err": _num(fidelity.max_rel_err) if fidelity else None,
+        "verify_queries": fidelity.queries if fidelity else 0,
+        "seconds": round(res.seconds, 4),
+        "seed": args.seed,
+    }
+    for k, v in res.diagnostics.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out.setdefault(k, _num(v) if isinstance(v, float) else v)
+    out.update({f"target_{k}": v for k, v in target.info.items()})
+    return out
+
+
+def print_table(row: dict) -> None:
+    width = max(len(k) for k in row)
+    for k, v in row.items():
+        if isinstance(v, float):
+            v = f"{v:.3e}" if (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6)) else f"{v:.6g}"
+        print(f"{k:<{width}}  {v}")
+
+
+def cmd_extract(args) -> int:
+    if args.method not in METHODS:
+        return _fail(2, f"unknown method {args.method!r} (known: {', '.join(METHODS)})")
+    if args.budget is not None and args.budget < 0:
+        return _fail(2, f"--budget must be >= 0, got {args.budget}")
+    try:
+        target = resolve(args.target, d=args.d, bias=args.bias)
+    except SpecError as e:
+        return _fail(2, str(e))
+    method = METHODS[args.method]
+    transcript = None
+    if args.transcript:
+        from pathlib import Path
+        transcript = Transcript.load(args.transcript) if Path(args.transcript).exists() else Transcript()
+    oracle_kw = {"budget": args.budget, "transcript": transcript}
+    bar = _ProgressBar(None, f"{args.method} {args.target}", enabled=not args.quiet)
+    try:
+        oracle = target.make_oracle(**oracle_kw)
+        total = method.expected(target, args)
+        if bar.bar is not None and total:
+            bar.bar.update(bar.task, total=total)
+        res = method.run(oracle, target, args, bar)
+    except BudgetExceeded as e:
+        return _fail(3, f"{e}. {e.spent} queries were spent"
+                     + (f"; their answers are saved in {args.transcript}" if transcript is not None else ""))
+    except (NotIdentifiable, InvalidQuery, SpecError, ValueError) as e:
+        return _fail(2, str(e))
+    except (OracleError, ConvergenceError) as e:
+        return _fail(4, str(e))
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted" + (f"; answers so far saved in {args.transcript}" if transcript is not None else ""))
+    finally:
+        bar.close()
+        if transcript is not None:
+            transcript.save(args.transcript)
+    fidelity = None
+    if args.verify > 0:
+        try:
+            fidelity = res.verify(target.make_oracle(), args.verify, rng=np.random.default_rng(10_000 + args.seed))
+        except HeadthiefError as e:
+            print(f"headthief: verification skipped: {e}", file=sys.stderr)
+    if args.save:
+        res.save(args.save)
+    row = report(target, args.method, res, fidelity, args)
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print_table(row)
+    return 0
+
+
+def cmd_targets(args) -> int:
+    rows = describe()
+    width = max(len(s) for s, _ in rows)
+    for syntax, desc in rows:
+        print(f"{syntax:<{width}}  {desc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "extract":
+        return cmd_extract(args)
+    if args.command == "targets":
+        return cmd_targets(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Typed exceptions. Every failure headthief reports is one of these."""
+
+from __future__ import annotations
+
+
+class HeadthiefError(Exception):
+    """Base class of every error headthief raises on purpose."""
+
+
+class InvalidQuery(HeadthiefError, ValueError):
+    """A query batch is malformed: wrong dimension, empty sequence, non-finite entries, norm bound."""
+
+
+class OracleError(HeadthiefError):
+    """The oracle answered something unusable (NaN, wrong count) or raised while evaluating."""
+
+
+class BudgetExceeded(HeadthiefError):
+    """A batch would take the oracle past its query budget. Nothing of that batch was sent.
+
+    Attributes:
+        spent: queries already answered (and paid for) before the refused batch.
+        budget: the budget.
+        requested: size of the refused batch.
+    """
+
+    def __init__(self, spent: int, budget: int, requested: int):
+        self.spent = spent
+        self.budget = budget
+        self.requested = requested
+        super().__init__(
+            f"query budget exceeded: {spent} queries spent, budget {budget}, "
+            f"the next batch needs {requested} more"
+        )
+
+
+class NotIdentifiable(HeadthiefError):
+    """The target's parameters cannot be determined from the queries this oracle allows."""
+
+
+class ConvergenceError(HeadthiefError):
+    """A bounded iterative procedure hit its cap without meeting its stopping rule."""
+
+
+class SpecError(HeadthiefError, ValueError):
+    """A target spec or command-line setting is malformed."""

@@ -1,0 +1,286 @@
+"""Two-row probes shared by every value-query algorithm: scaling and sigmoid inversion.
+
+The key identity (Theorem 4.1, eq. (1); Theorem 5.1): for the two-token query
+``X = [s u + lam b ; lam b]`` the head's two scores differ by
+
+    t = s1 - s2 = s lam u^T W b + s c^T u,
+
+so the attention on the first token is ``alpha = sigma(t)`` and the answer is
+
+    y = beta + lam b^T v + alpha * s u^T v.
+
+Knowing v, c, beta, one query gives ``alpha``, hence ``t = logit(alpha)``, hence one bilinear
+measurement ``g = u^T W b``.  Likewise ``X = [s u ; 0]`` gives ``t = s c^T u`` (the score bias).
+
+Choosing the scales.  The paper uses s = lam = 1.  In float64 any moderate scale is exact, but a
+float32 head rounds its answer to ~6e-8 relative, and the logit amplifies that error by
+``1 / (alpha (1 - alpha))`` while dividing by ``s lam``: unit probes on a head with small scores
+leave ``alpha ~ 1/2 + tiny`` and lose most digits.  :class:`ProbeScaler` therefore chooses, per
+probe, ``s lam = T / m`` where ``m`` is the largest normalised measurement seen so far (so the logit
+stays within a few units), learned from the oracle's own answers: the first measurements of a run are
+taken in geometrically growing chunks (1, 2, 4, ...) so the scale settles after a handful of queries.
+``s`` is capped so that the score-bias part ``s c^T u`` stays below ``Tc``; the remaining factor goes
+to ``lam``.  A probe whose answer still saturates (``|t|`` above ``t_max`` or alpha outside (0, 1)) is
+asked again at a smaller scale, at most ``max_retries`` times, and the extra queries are reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import ConvergenceError, NotIdentifiable
+from ..oracles.base import Oracle
+
+Progress = Callable[[int], None] | None
+
+
+def logit(p: np.ndarray) -> np.ndarray:
+    """sigma^{-1}(p) = log(p / (1 - p))."""
+    return np.log(p) - np.log1p(-p)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What is already recovered when W is measured: v, and the biases (zeros/0 for the paper's model)."""
+
+    v: np.ndarray
+    c: np.ndarray
+    beta: float
+
+
+@dataclass
+class ProbeScaler:
+    """Chooses probe scales from the answers seen so far (see the module docstring)."""
+
+    T: float = 1.0          # target |logit| of the largest measurement seen so far
+    Tc: float = 1.0         # cap on |s c^T u|
+    rho: float = 4.0        # preferred ratio of the first token's scale to the second's
+    t_max: float = 9.0      # re-ask a probe whose |logit| is above this
+    max_retries: int = 8
+    warmup: int = 16        # measurements taken in growing chunks before full-size chunks
+    fixed: bool = False     # True: the paper's unit probes, no adaptation
+    m: float = 0.0          # running max of |g| / (||u|| ||b||)
+    seen: int = 0
+    requeried: int = 0
+
+    def chunk_size(self, max_chunk: int) -> int:
+        if self.fixed or self.seen >= self.warmup:
+            return max_chunk
+        return max(1, min(max_chunk, 2 ** int(np.log2(self.seen + 1))))
+
+    def update(self, g: np.ndarray, norms: np.ndarray) -> None:
+        ok = norms > 0
+        if ok.any():
+            self.m = max(self.m, float(np.max(np.abs(g[ok]) / norms[ok])))
+        self.seen += g.shape[0]
+
+    def kappa(self, norms: np.ndarray) -> np.ndarray:
+        """The product s*lam for probes with ||u|| ||b|| = norms."""
+        if self.fixed or self.m <= 0:
+            return np.ones_like(norms)
+        return self.T / (self.m * norms)
+
+
+def _invert(y, base, coef, offset, kappa, t_max):
+    """Return (g, bad): g = (logit((y-base)/coef) - offset) / kappa, bad where saturated."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        alpha = (y - base) / coef
+        inside = (alpha > 0) & (alpha < 1)
+        t = np.where(inside, logit(np.clip(alpha, 1e-300, 1 - 1e-16)), np.nan)
+        bad = ~inside | (np.abs(t) > t_max)
+        g = (t - offset) / kappa
+    return g, bad, t
+
+
+def bilinear_measurements(
+    oracle: Oracle,
+    U: np.ndarray,
+    B: np.ndarray,
+    known: Known,
+    scaler: ProbeScaler,
+    *,
+    max_chunk: int,
+    progress: Progress = None,
+) -> np.ndarray:
+    """Measure ``g_k = u_k^T W b_k`` for the rows of U and B (each (m, d), or B one (d,) vector).
+
+    One two-row query per measurement (plus re-asks of saturated probes, counted in
+    ``scaler.requeried``). Queries are sent in chunks of at most ``max_chunk`` sequences.
+    """
+    U = np.atleast_2d(np.asarray(U, dtype=np.float64))
+    m, d = U.shape
+    B = np.asarray(B, dtype=np.float64)
+    shared_b = B.ndim == 1
+    v, c = known.v, known.c
+    unorm = np.linalg.norm(U, axis=1)
+    uv = U @ v
+    uc = U @ c
+    if np.any(np.abs(uv) <= 1e-300):
+        raise NotIdentifiable("a probe u has u^T v = 0; its attention weight cannot be read off the answer")
+    if shared_b:
+        bnorm = np.full(m, np.linalg.norm(B))
+        bv = np.full(m, B @ v)
+    else:
+        bnorm = np.linalg.norm(B, axis=1)
+        bv = B @ v
+    out = np.empty(m)
+    start = 0
+    while start < m:
+        n = scaler.chunk_size(max_chunk)
+        idx = np.arange(start, min(m, start + n))
+        g = _measure_chunk(oracle, U, B, shared_b, idx, unorm, bnorm, uv, uc, bv, known, scaler)
+        out[idx] = g
+        scaler.update(g, unorm[idx] * bnorm[idx])
+        start = idx[-1] + 1
+        if progress is not None:
+            progress(len(idx))
+    return out
+
+
+def _measure_chunk(oracle, U, B, shared_b, idx, unorm, bnorm, uv, uc, bv, known, scaler):
+    norms = unorm[idx] * bnorm[idx]
+    kappa = scaler.kappa(norms)
+    g = np.full(len(idx), np.nan)
+    todo = np.arange(len(idx))
+    for attempt in range(scaler.max_retries + 1):
+        k = idx[todo]
+        kap = kappa[todo]
+        if scaler.fixed:
+            s = np.ones_like(kap)
+        else:
+            # split kappa = s * lam: token scales s||u|| : lam||b|| = rho : 1, with |s c^T u| <= Tc
+            su = np.sqrt(kap * norms[todo] * scaler.rho)           # = s ||u||
+            s = su / unorm[k]
+            with np.errstate(divide="ignore"):
+                cap = np.where(np.abs(uc[k]) > 0, scaler.Tc / np.abs(uc[k]), np.inf)
+            s = np.minimum(s, cap)
+        lam = kap / s
+        X = np.zeros((len(k), 2, U.shape[1]))
+        X[:, 0, :] = s[:, None] * U[k]
+        Bk = B[None, :] if shared_b else B[k]
+        X[:, 1, :] = lam[:, None] * Bk
+        X[:, 0, :] += X[:, 1, :]
+        y = oracle.query(X)
+        base = known.beta + lam * bv[k]
+        coef = s * uv[k]
+        gk, bad, t = _invert(y, base, coef, s * uc[k], kap, scaler.t_max)
+        g[todo[~bad]] = gk[~bad]
+        if not bad.any():
+            return g
+        if scaler.fixed:
+            raise NotIdentifiable(
+                f"{int(bad.sum())} unit-scale probe(s) saturated the softmax (|logit| > {scaler.t_max:g} "
+                "or the attention weight fell outside (0, 1)); use adaptive probe scales")
+        scaler.requeried += int(bad.sum())
+        # shrink: by the measured overshoot where the logit is known, by 32x where it is not
+        tb = t[bad]
+        shrink = np.where(np.isfinite(tb), scaler.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
+        kappa[todo[bad]] *= np.minimum(shrink, 0.5)
+        todo = todo[bad]
+    raise ConvergenceError(
+        f"{len(todo)} probe(s) still saturated after {scaler.max_retries} re-asks at smaller scales")
+
+
+def linear_measurements(
+    oracle: Oracle,
+    U: np.ndarray,
+    known: Known,
+    scaler: ProbeScaler,
+    *,
+    max_chunk: int,
+    progress: Progress = None,
+) -> np.ndarray:
+    """Measure ``g_k = c^T u_k`` (the score bias) with one-token-plus-zero queries ``[s u ; 0]``.
+
+    ``known.c`` is ignored (it is what is measured). The answer is ``beta + sigma(s c^T u) s u^T v``.
+    """
+    U = np.atleast_2d(np.asarray(U, dtype=np.float64))
+    m, d = U.shape
+    unorm = np.linalg.norm(U, axis=1)
+    uv = U @ known.v
+    out = np.empty(m)
+    start = 0
+    while start < m:
+        n = scaler.chunk_size(max_chunk)
+        idx = np.arange(start, min(m, start + n))
+        kappa = scaler.kappa(unorm[idx])
+        g = np.full(len(idx), np.nan)
+        todo = np.arange(len(idx))
+        for _attempt in range(scaler.max_retries + 1):
+            k = idx[todo]
+            s = kappa[todo]
+            X = np.zeros((len(k), 2, d))
+            X[:, 0, :] = s[:, None] * U[k]
+            y = oracle.query(X)
+            gk, bad, t = _invert(y, known.beta, s * uv[k], 0.0, s, scaler.t_max)
+            g[todo[~bad]] = gk[~bad]
+            if not bad.any():
+                break
+            if scaler.fixed:
+                raise NotIdentifiable("a unit-scale bias probe saturated the softmax; use adaptive probe scales")
+            scaler.requeried += int(bad.sum())
+            tb = t[bad]
+            shrink = np.where(np.isfinite(tb), scaler.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
+            kappa[todo[bad]] *= np.minimum(shrink, 0.5)
+            todo = todo[bad]
+        else:
+            raise ConvergenceError(
+                f"{len(todo)} bias probe(s) still saturated after {scaler.max_retries} re-asks")
+        out[idx] = g
+        scaler.update(g, unorm[idx])
+        start = idx[-1] + 1
+        if progress is not None:
+            progress(len(idx))
+    return out
+
+
+def chunk_for(d: int, tokens: int = 2, mbytes: float = 64.0) -> int:
+    """Queries per oracle call so that one chunk of (n, tokens, d) float64 stays under ``mbytes``."""
+    return max(1, int(mbytes * 2**20 // (8 * tokens * d)))
+
+
+def value_phase(oracle: Oracle, *, bias: bool, max_chunk: int, progress: Progress = None):
+    """Read beta and v (Theorem 4.1 step (i)): ``f([0]) = beta`` and ``f([e_i]) = v_i + beta``.
+
+    Costs d one-token queries (plus one for beta with ``bias``). Raises :class:`NotIdentifiable`
+    when v = 0: the answer then never depends on the attention weights, so W (and c) cannot be
+    identified from value queries.
+    """
+    d = oracle.d
+    beta = 0.0
+    if bias:
+        beta = float(oracle.query(np.zeros((1, 1, d)))[0])
+        if progress:
+            progress(1)
+    v = np.empty(d)
+    for start in range(0, d, max_chunk):
+        stop = min(d, start + max_chunk)
+        X = np.zeros((stop - start, 1, d))
+        X[np.arange(stop - start), 0, np.arange(start, stop)] = 1.0
+        v[start:stop] = oracle.query(X) - beta
+        if progress:
+            progress(stop - start)
+    scale = max(1.0, abs(beta))
+    if np.max(np.abs(v)) <= 1e-12 * scale:
+        raise NotIdentifiable(
+            "v = 0: every answer equals the output bias, whatever the attention weights are, so W "
+            "(and the score bias c) is not identifiable from value queries (Theorem 4.1 needs v != 0)")
+    return beta, v
+
+
+def basis_design(v: np.ndarray, zero_tol: float = 1e-2) -> tuple[np.ndarray, int]:
+    """The paper's deterministic probes: u_l = e_l if v_l != 0, else e_l + e_p (v_p the largest).
+
+    An entry with ``|v_l| < zero_tol * |v_p|`` counts as zero: the probe e_l + e_p keeps the
+    attention weight readable (``u^T v`` far from 0) and the design stays invertible.
+    """
+    d = v.shape[0]
+    p = int(np.argmax(np.abs(v)))
+    U = np.eye(d)
+    small = np.abs(v) < zero_tol * abs(v[p])
+    small[p] = False
+    U[small, p] = np.where(v[small] * v[p] < 0, -1.0, 1.0)  # keeps |u^T v| >= |v_p| - |v_l|
+    return U, p

@@ -1,0 +1,193 @@
+"""The single-head attention regressor of Section 3, with the two biases real heads have.
+
+    f(X) = softmax(s)^T (X v) + beta,     s_i = x_i^T W x_N + c^T x_i,
+
+for a sequence X of N >= 1 tokens x_1..x_N in R^d (the last token is the query token). With
+``c = 0`` and ``beta = 0`` this is exactly the paper's ``f_{W,v}``. A real head's query/key biases
+reduce to ``c`` (the terms that depend only on x_N cancel in the softmax) and its value/output biases
+reduce to ``beta`` (the attention weights sum to one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import InvalidQuery
+
+
+def _as_float(a, dtype) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=dtype))
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionHead:
+    """A single attention head as a scalar regressor.
+
+    Args:
+        v: value-readout vector, shape (d,).
+        W: bilinear score matrix, shape (d, d); or None when ``left``/``right`` are given.
+        left, right: factors with ``W = left @ right.T`` (each (d, r)); a d = 4096, rank-128 head
+            stays cheap to store and to evaluate (O(d r) per token instead of O(d^2)).
+        c: score bias, shape (d,), or None (the paper's model).
+        beta: output bias, or None.
+        dtype: the precision the head computes in (float64 or float32).
+    """
+
+    v: np.ndarray
+    W: np.ndarray | None = None
+    left: np.ndarray | None = None
+    right: np.ndarray | None = None
+    c: np.ndarray | None = None
+    beta: float | None = None
+    dtype: type = np.float64
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        dt = np.dtype(self.dtype)
+        if dt not in (np.dtype(np.float64), np.dtype(np.float32)):
+            raise ValueError(f"dtype must be float64 or float32, got {dt}")
+        object.__setattr__(self, "dtype", dt.type)
+        v = _as_float(self.v, dt).reshape(-1)
+        object.__setattr__(self, "v", v)
+        d = v.shape[0]
+        if self.W is None and (self.left is None or self.right is None):
+            raise ValueError("give W, or both factors left and right")
+        if self.W is not None:
+            W = _as_float(self.W, dt)
+            if W.shape != (d, d):
+                raise ValueError(f"W must be ({d}, {d}) to match v, got {W.shape}")
+            object.__setattr__(self, "W", W)
+        else:
+            L, R = _as_float(self.left, dt), _as_float(self.right, dt)
+            if L.ndim != 2 or L.shape[0] != d or L.shape != R.shape:
+                raise ValueError(f"left and right must both be ({d}, r), got {L.shape}, {R.shape}")
+            object.__setattr__(self, "left", L)
+            object.__setattr__(self, "right", R)
+        if self.c is not None:
+            c = _as_float(self.c, dt).reshape(-1)
+            if c.shape != (d,):
+                raise ValueError(f"c must have shape ({d},), got {c.shape}")
+            object.__setattr__(self, "c", c)
+        if self.beta is not None:
+            object.__setattr__(self, "beta", float(dt.type(self.beta)))
+
+    @property
+    def d(self) -> int:
+        return int(self.v.shape[0])
+
+    @property
+    def has_bias(self) -> bool:
+        return self.c is not None or self.beta is not None
+
+    @property
+    def factored(self) -> bool:
+        return self.W is None
+
+    def dense_W(self) -> np.ndarray:
+        """W as a dense float64 (d, d) array."""
+        if self.W is not None:
+            return self.W.astype(np.float64)
+        if "W" not in self._cache:
+            self._cache["W"] = self.left.astype(np.float64) @ self.right.astype(np.float64).T
+        return self._cache["W"]
+
+    @property
+    def rank(self) -> int:
+        if self.W is None:
+            return int(np.linalg.matrix_rank(self.left.astype(np.float64) @ self.right.astype(np.float64).T))
+        return int(np.linalg.matrix_rank(self.W.astype(np.float64)))
+
+    def __call__(self, batch) -> np.ndarray:
+        return self.evaluate(batch)
+
+    def evaluate(self, batch: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
+        """Evaluate a batch: a list of (N_i, d) arrays (any lengths N_i >= 1) or an (n, N, d) array.
+
+        Sequences are grouped by length and each group is evaluated in one vectorised pass with a
+        max-shifted (numerically stable) softmax. Returns float64 values of shape (n,).
+        """
+        if isinstance(batch, np.ndarray):
+            if batch.ndim != 3:
+                raise InvalidQuery(f"a batch array must be (n, N, d), got shape {batch.shape}")
+            return self._evaluate_group(batch)
+        out = np.empty(len(batch), dtype=np.float64)
+        groups: dict[int, list[int]] = {}
+        for i, X in enumerate(batch):
+            groups.setdefault(np.shape(X)[0], []).append(i)
+        for _, idx in groups.items():
+            out[idx] = self._evaluate_group(np.stack([batch[i] for i in idx]))
+        return out
+
+    def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
+        dt = self.dtype
+        X = np.asarray(X, dtype=dt)
+        n, N, d = X.shape
+        if d != self.d:
+            raise InvalidQuery(f"tokens must have dimension {self.d}, got {d}")
+        if N < 1:
+            raise InvalidQuery("every sequence needs at least one token")
+        q = X[:, -1, :]
+        if self.W is not None:
+            Wq = q @ self.W.T                                   # (n, d): W x_N for each sequence
+            scores = np.matmul(X, Wq[:, :, None])[:, :, 0]      # (n, N): x_i^T W x_N
+        else:
+            Kx = np.matmul(X, self.left)                        # (n, N, r)
+            Qx = q @ self.right                                 # (n, r)
+            scores = np.matmul(Kx, Qx[:, :, None])[:, :, 0]
+        if self.c is not None:
+            scores = scores + X @ self.c
+        scores = scores - scores.max(axis=1, keepdims=True)
+        w = np.exp(scores)
+        w /= w.sum(axis=1, keepdims=True)
+        vals = X @ self.v                                       # (n, N)
+        out = (w * vals).sum(axis=1, dtype=dt)
+        if self.beta is not None:
+            out = out + dt(self.beta)
+        return out.astype(np.float64)
+
+
+def random_head(
+    d: int,
+    *,
+    rng: np.random.Generator | int,
+    rank: int | None = None,
+    sparse_v: float = 0.0,
+    v_zero: bool = False,
+    bias: bool = False,
+    dtype=np.float64,
+) -> AttentionHead:
+    """A seeded random target.
+
+    W has i.i.d. entries of variance 1/d (full rank) or is a product ``left @ right.T`` of two
+    Gaussian (d, rank) factors scaled to the same entry variance (stored as factors). v has standard
+    normal entries, of which ``floor(sparse_v * d)`` are set exactly to zero (at least one stays
+    non-zero); ``v_zero`` makes v = 0. With ``bias`` the head gets ``c ~ N(0, I/d)`` and
+    ``beta ~ N(0, 1/4)``.
+    """
+    rng = np.random.default_rng(rng)
+    if d < 1:
+        raise ValueError(f"d must be >= 1, got {d}")
+    if rank is not None and not 1 <= rank <= d:
+        raise ValueError(f"rank must be in 1..{d}, got {rank}")
+    if not 0.0 <= sparse_v < 1.0:
+        raise ValueError(f"sparse_v must be in [0, 1), got {sparse_v}")
+    kw: dict = {}
+    if rank is None or rank == d:
+        kw["W"] = rng.standard_normal((d, d)) / np.sqrt(d)
+    else:
+        s = (rank * d) ** -0.25
+        kw["left"] = rng.standard_normal((d, rank)) * s
+        kw["right"] = rng.standard_normal((d, rank)) * s
+    v = rng.standard_normal(d)
+    if v_zero:
+        v[:] = 0.0
+    elif sparse_v > 0:
+        k = min(int(np.floor(sparse_v * d)), d - 1)
+        v[rng.choice(d, size=k, replace=False)] = 0.0
+    if bias:
+        kw["c"] = rng.standard_normal(d) / np.sqrt(d)
+        kw["beta"] = 0.5 * rng.standard_normal()
+    return AttentionHead(v=v, dtype=dtype, **kw)

@@ -1,0 +1,6 @@
+"""Oracles: the black boxes headthief queries, and the wrappers that model what an API returns."""
+
+from .base import CallableOracle, ModelOracle, Oracle, WrappedOracle, as_batch
+from .transcript import Transcript
+
+__all__ = ["Oracle", "ModelOracle", "CallableOracle", "WrappedOracle", "Transcript", "as_batch"]

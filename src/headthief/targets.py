@@ -1,0 +1,164 @@
+"""Target specs: ``KIND:key=value,...`` strings that name a black box for the command line.
+
+Each kind is a :class:`TargetKind` in :data:`TARGET_KINDS`: a parser from the spec's options to a
+:class:`Target` (the oracle to extract from, and the true parameters where they are known, for
+measuring errors). ``headthief targets`` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import SpecError
+from .models.attention import AttentionHead, random_head
+from .oracles.base import CallableOracle, ModelOracle, Oracle
+
+
+@dataclass
+class Target:
+    """A resolved target: ``make_oracle(**oracle_kw)`` builds a fresh oracle on the black box.
+
+    ``truth`` holds the true parameters where they are known (None for a user's black box); ``bias``
+    says whether the target may have the score/output biases; ``info`` is printed with the results.
+    """
+
+    spec: str
+    d: int
+    bias: bool
+    make_oracle: Callable[..., Oracle]
+    truth: AttentionHead | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    name: str
+    syntax: str
+    description: str
+    build: Callable[[str, dict[str, str], dict[str, Any]], Target]
+
+
+TARGET_KINDS: dict[str, TargetKind] = {}
+
+
+def register(kind: TargetKind) -> None:
+    TARGET_KINDS[kind.name] = kind
+
+
+def parse_options(text: str) -> dict[str, str]:
+    opts: dict[str, str] = {}
+    if not text:
+        return opts
+    for part in text.split(","):
+        if not part:
+            continue
+        if "=" not in part:
+            raise SpecError(f"target option {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        opts[k.strip()] = v.strip()
+    return opts
+
+
+def _int(opts, key, default=None, *, lo=None):
+    if key not in opts:
+        if default is None:
+            raise SpecError(f"target option {key}= is required")
+        return default
+    try:
+        val = int(opts[key])
+    except ValueError:
+        raise SpecError(f"target option {key}={opts[key]!r} is not an integer") from None
+    if lo is not None and val < lo:
+        raise SpecError(f"target option {key}={val} must be >= {lo}")
+    return val
+
+
+def _float(opts, key, default):
+    if key not in opts:
+        return default
+    try:
+        return float(opts[key])
+    except ValueError:
+        raise SpecError(f"target option {key}={opts[key]!r} is not a number") from None
+
+
+def _check_keys(kind: str, opts: dict, allowed: set[str]) -> None:
+    extra = set(opts) - allowed
+    if extra:
+        raise SpecError(f"unknown option(s) for {kind}: target: {', '.join(sorted(extra))} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
+
+
+def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    _check_keys("random", opts, {"d", "seed", "rank", "sparse_v", "v", "bias", "dtype"})
+    d = _int(opts, "d", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    rank = _int(opts, "rank", d, lo=1)
+    if rank > d:
+        raise SpecError(f"rank={rank} is larger than d={d}")
+    sparse_v = _float(opts, "sparse_v", 0.0)
+    if not 0.0 <= sparse_v < 1.0:
+        raise SpecError(f"sparse_v={sparse_v} must be in [0, 1)")
+    vmode = opts.get("v", "gaussian")
+    if vmode not in ("gaussian", "zero"):
+        raise SpecError(f"v={vmode!r}: use v=zero (or leave it out)")
+    bias = opts.get("bias", "0") in ("1", "true", "yes")
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    head = random_head(d, rng=seed, rank=rank, sparse_v=sparse_v, v_zero=vmode == "zero", bias=bias,
+                       dtype=np.float32 if dtype == "float32" else np.float64)
+    return Target(spec=spec, d=d, bias=bias, truth=head,
+                  make_oracle=lambda **kw: ModelOracle(head, **kw),
+                  info={"dtype": dtype, "true_rank": rank})
+
+
+def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
+    path, sep, func = rest.rpartition(":")
+    if not sep or not path or not func:
+        raise SpecError(f"py target must be py:PATH.py:FUNC, got {spec!r}")
+    d = ctx.get("d")
+    if not d:
+        raise SpecError("a py: target needs --d D (the token dimension of your model)")
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"py target: no such file {path!r}")
+    mod_spec = importlib.util.spec_from_file_location(f"headthief_user_{p.stem}", p)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        raise SpecError(f"py target: importing {path} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise SpecError(f"py target: {path} has no callable named {func!r}")
+    return Target(spec=spec, d=int(d), bias=bool(ctx.get("bias")), truth=None,
+                  make_oracle=lambda **kw: CallableOracle(fn, int(d), **kw), info={"callable": func})
+
+
+register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero][,bias=1][,dtype=float32]",
+                    "a seeded random head (Section 3 model; biases with bias=1; factored W when rank < d)",
+                    _build_random))
+
+
+def resolve(spec: str, **ctx: Any) -> Target:
+    """Turn a spec string into a :class:`Target`. ``ctx`` carries CLI settings (``d``, ``bias``)."""
+    kind, sep, rest = spec.partition(":")
+    if kind == "py":
+        return _build_py(spec, rest, ctx)
+    if kind not in TARGET_KINDS:
+        known = ", ".join(["py"] + sorted(TARGET_KINDS))
+        raise SpecError(f"unknown target kind {kind!r} in {spec!r} (known: {known})")
+    return TARGET_KINDS[kind].build(spec, parse_options(rest), ctx)
+
+
+def describe() -> list[tuple[str, str]]:
+    rows = [(k.syntax, k.description) for k in TARGET_KINDS.values()]
+    rows.append(("py:PATH.py:FUNC --d D [--bias]",
+                 "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array"))
+    return rows
