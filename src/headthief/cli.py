@@ -76,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--transcript", metavar="PATH.npz",
                    help="keep every answer here; re-running with the same file replays what was paid for")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    # low-rank methods (lowrank, rop)
+    e.add_argument("--rank", default="auto", help="rank of W for lowrank/rop: an integer or 'auto' (default)")
+    e.add_argument("--oversample", type=int, default=None, metavar="K",
+                   help="lowrank: extra sketch columns with a rank-truncated core (default: auto, 0 for float64)")
+    e.add_argument("--solver", choices=["convex", "als"], default="als", help="rop: solver for the rank-one measurements")
+    e.add_argument("--measurements", type=int, default=None, metavar="M", help="rop: number of rank-one measurements")
+    e.add_argument("--oversampling", type=float, default=None, metavar="C",
+                   help="rop: measurements as a multiple C of the degrees of freedom r(2d - r)")
+    # threat models: what the oracle returns
+    e.add_argument("--noise", type=float, default=None, metavar="TAU", help="answers within +-TAU of the truth")
+    e.add_argument("--noise-mode", default="adversarial", help="adversarial | uniform | round:K")
+    e.add_argument("--sign-only", action="store_true", help="the oracle answers only 1 if f(X) > 0 else 0")
+    e.add_argument("--input-norm", type=float, default=None, metavar="R",
+                   help="the oracle refuses tokens with ||x|| > R (noisy/membership methods default to R = 1)")
 
     sub.add_parser("targets", help="list the available target kinds")
     return p
