@@ -25,8 +25,8 @@ import scipy.linalg
 
 from ..errors import NotIdentifiable
 from ..oracles.base import Oracle
-from .probes import (Known, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
-                     linear_measurements, value_phase)
+from .probes import (Known, ProbeDesign, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
+                     linear_measurements, looks_float32, numerical_rank, value_phase)
 from .result import Extraction
 
 
@@ -68,6 +68,7 @@ def extract_exact(
     d = oracle.d
     chunk = chunk_for(d)
     beta, v = value_phase(oracle, bias=bias, max_chunk=chunk, progress=progress)
+    single = looks_float32(v + beta)
 
     if probes == "basis":
         U, p = basis_design(v)
@@ -87,12 +88,14 @@ def extract_exact(
     known = Known(v=v, c=c, beta=beta)
 
     scaler = ProbeScaler(fixed=fixed)
+    design = ProbeDesign(U, known)
     G = np.empty((d, d))
     e = np.zeros(d)
     for j in range(d):
         e[:] = 0.0
         e[j] = 1.0
-        G[:, j] = bilinear_measurements(oracle, U, e, known, scaler, max_chunk=chunk, progress=progress)
+        G[:, j] = bilinear_measurements(oracle, U, e, known, scaler, max_chunk=chunk, progress=progress,
+                                        design=design)
     W = scipy.linalg.lu_solve(lu, G)
 
     requeried = scaler.requeried + c_scaler.requeried
@@ -103,8 +106,9 @@ def extract_exact(
         "oracle_calls": oracle.calls - calls0,
         "design_cond": float(np.linalg.cond(U)),
         "logit_target": scaler.T,
+        "float32_answers": single,
     }
     return Extraction(
         method="exact", W=W, v=v, c=c if bias else None, beta=beta if bias else None,
-        rank=int(np.linalg.matrix_rank(W)), queries=oracle.queries - q0,
+        rank=numerical_rank(W, 1e-4 if single else 1e-9), queries=oracle.queries - q0,
         seconds=time.perf_counter() - t0, diagnostics=diagnostics)

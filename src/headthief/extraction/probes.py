@@ -62,7 +62,9 @@ class ProbeScaler:
     max_retries: int = 8
     warmup: int = 16        # measurements taken in growing chunks before full-size chunks
     fixed: bool = False     # True: the paper's unit probes, no adaptation
+    growth: float = 4.0     # the scale grows at most this factor per chunk (shrinking is immediate)
     m: float = 0.0          # running max of |g| / (||u|| ||b||)
+    level: float = 1.0      # current s*lam for unit-norm probes (starts at the paper's unit scale)
     seen: int = 0
     requeried: int = 0
 
@@ -76,12 +78,14 @@ class ProbeScaler:
         if ok.any():
             self.m = max(self.m, float(np.max(np.abs(g[ok]) / norms[ok])))
         self.seen += g.shape[0]
+        if not self.fixed and self.m > 0:
+            self.level = min(self.T / self.m, self.growth * self.level)
 
     def kappa(self, norms: np.ndarray) -> np.ndarray:
         """The product s*lam for probes with ||u|| ||b|| = norms."""
-        if self.fixed or self.m <= 0:
+        if self.fixed:
             return np.ones_like(norms)
-        return self.T / (self.m * norms)
+        return self.level / norms
 
 
 def _invert(y, base, coef, offset, kappa, t_max):
@@ -104,22 +108,22 @@ def bilinear_measurements(
     *,
     max_chunk: int,
     progress: Progress = None,
+    design: "ProbeDesign | None" = None,
 ) -> np.ndarray:
     """Measure ``g_k = u_k^T W b_k`` for the rows of U and B (each (m, d), or B one (d,) vector).
 
     One two-row query per measurement (plus re-asks of saturated probes, counted in
     ``scaler.requeried``). Queries are sent in chunks of at most ``max_chunk`` sequences.
+    ``design`` caches what depends only on U and ``known`` (pass it when U is reused across calls).
     """
-    U = np.atleast_2d(np.asarray(U, dtype=np.float64))
+    if design is None:
+        design = ProbeDesign(U, known)
+    U = design.U
     m, d = U.shape
     B = np.asarray(B, dtype=np.float64)
     shared_b = B.ndim == 1
-    v, c = known.v, known.c
-    unorm = np.linalg.norm(U, axis=1)
-    uv = U @ v
-    uc = U @ c
-    if np.any(np.abs(uv) <= 1e-300):
-        raise NotIdentifiable("a probe u has u^T v = 0; its attention weight cannot be read off the answer")
+    v = known.v
+    unorm, uv, uc = design.unorm, design.uv, design.uc
     if shared_b:
         bnorm = np.full(m, np.linalg.norm(B))
         bv = np.full(m, B @ v)
@@ -131,7 +135,7 @@ def bilinear_measurements(
     while start < m:
         n = scaler.chunk_size(max_chunk)
         idx = np.arange(start, min(m, start + n))
-        g = _measure_chunk(oracle, U, B, shared_b, idx, unorm, bnorm, uv, uc, bv, known, scaler)
+        g = _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler)
         out[idx] = g
         scaler.update(g, unorm[idx] * bnorm[idx])
         start = idx[-1] + 1
@@ -140,7 +144,34 @@ def bilinear_measurements(
     return out
 
 
-def _measure_chunk(oracle, U, B, shared_b, idx, unorm, bnorm, uv, uc, bv, known, scaler):
+class ProbeDesign:
+    """A probe matrix U (rows u_k) with what every chunk needs: norms, u^T v, u^T c, and a sparse copy
+    when U is sparse (the paper's basis design), so queries are built by scatter in O(nnz)."""
+
+    def __init__(self, U: np.ndarray, known: Known):
+        self.U = np.atleast_2d(np.asarray(U, dtype=np.float64))
+        self.unorm = np.linalg.norm(self.U, axis=1)
+        self.uv = self.U @ known.v
+        self.uc = self.U @ known.c
+        if np.any(np.abs(self.uv) <= 1e-300):
+            raise NotIdentifiable("a probe u has u^T v = 0; its attention weight cannot be read off the answer")
+        nnz = np.count_nonzero(self.U)
+        self.sparse = None
+        if nnz <= 0.05 * self.U.size:
+            import scipy.sparse
+            self.sparse = scipy.sparse.csr_matrix(self.U)
+
+    def fill(self, X0: np.ndarray, k: np.ndarray, s: np.ndarray) -> None:
+        """X0[i] += s[i] * U[k[i]] (X0 is zero where this writes, for the sparse path)."""
+        if self.sparse is None:
+            X0 += s[:, None] * self.U[k]
+            return
+        sub = self.sparse[k].tocoo()
+        X0[sub.row, sub.col] += s[sub.row] * sub.data
+
+
+def _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler):
+    U, unorm, uv, uc = design.U, design.unorm, design.uv, design.uc
     norms = unorm[idx] * bnorm[idx]
     kappa = scaler.kappa(norms)
     g = np.full(len(idx), np.nan)
@@ -159,10 +190,14 @@ def _measure_chunk(oracle, U, B, shared_b, idx, unorm, bnorm, uv, uc, bv, known,
             s = np.minimum(s, cap)
         lam = kap / s
         X = np.zeros((len(k), 2, U.shape[1]))
-        X[:, 0, :] = s[:, None] * U[k]
-        Bk = B[None, :] if shared_b else B[k]
-        X[:, 1, :] = lam[:, None] * Bk
-        X[:, 0, :] += X[:, 1, :]
+        if shared_b:
+            nz = np.flatnonzero(B)
+            X[:, 1, nz] = lam[:, None] * B[nz]
+            X[:, 0, nz] = X[:, 1, nz]
+        else:
+            np.multiply(lam[:, None], B[k], out=X[:, 1, :])
+            X[:, 0, :] = X[:, 1, :]
+        design.fill(X[:, 0, :], k, s)
         y = oracle.query(X)
         base = known.beta + lam * bv[k]
         coef = s * uv[k]
@@ -284,3 +319,18 @@ def basis_design(v: np.ndarray, zero_tol: float = 1e-2) -> tuple[np.ndarray, int
     small[p] = False
     U[small, p] = np.where(v[small] * v[p] < 0, -1.0, 1.0)  # keeps |u^T v| >= |v_p| - |v_l|
     return U, p
+
+
+def looks_float32(values: np.ndarray) -> bool:
+    """True when every answer is exactly a float32 number: the black box computes in float32.
+
+    (Answers of a float64 computation are almost never all float32-representable.)
+    """
+    y = np.asarray(values, dtype=np.float64)
+    return bool(y.size >= 4 and np.all(y.astype(np.float32).astype(np.float64) == y))
+
+
+def numerical_rank(W: np.ndarray, rtol: float) -> int:
+    """Number of singular values above ``rtol`` times the largest."""
+    s = np.linalg.svd(W, compute_uv=False)
+    return int(np.sum(s > rtol * s[0])) if s.size and s[0] > 0 else 0

@@ -9,6 +9,7 @@ only ``_query``; wrappers (threat models, defences) are oracles that hold anothe
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -95,6 +96,7 @@ class Oracle:
         self.fresh = 0         # sequences sent to the black box (what the budget limits)
         self.replayed = 0      # sequences answered from the transcript
         self.calls = 0
+        self.seconds = 0.0     # wall time spent inside the black box (_query)
 
     def _settings(self) -> str:
         parts = [f"d={self.d}"]
@@ -110,6 +112,7 @@ class Oracle:
     def reset(self) -> None:
         """Reset the counters (the budget then applies afresh)."""
         self.queries = self.fresh = self.replayed = self.calls = 0
+        self.seconds = 0.0
 
     def query(self, batch: Batch) -> np.ndarray:
         """Answer a batch: one float64 value per sequence."""
@@ -129,12 +132,15 @@ class Oracle:
                 return hit
         if self.budget is not None and self.fresh + n > self.budget:
             raise BudgetExceeded(self.fresh, self.budget, n)
+        t0 = time.perf_counter()
         try:
             raw = self._query(X)
         except HeadthiefError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of user code becomes a typed error
             raise OracleError(f"the oracle raised {type(e).__name__}: {e}") from e
+        finally:
+            self.seconds += time.perf_counter() - t0
         y = self._check_answers(raw, n)
         self.queries += n
         self.fresh += n
