@@ -41,7 +41,7 @@ def test_v_zero_exits_2_with_reason(capsys):
 
 def test_budget_exits_3_and_says_spent(capsys):
     code, _, err = run_json(capsys, "--target", "random:d=16,seed=1", "--budget", "100")
-    assert code == 3 and "queries were spent" in err
+    assert code == 3 and "queries spent" in err
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -86,12 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rop: measurements as a multiple C of the degrees of freedom r(2d - r)")
     # threat models: what the oracle returns
     e.add_argument("--noise", type=float, default=None, metavar="TAU", help="answers within +-TAU of the truth")
-    e.add_argument("--noise-mode", default="adversarial", help="adversarial | uniform | round:K")
+    e.add_argument("--noise-mode", default=None,
+                   help="adversarial (+-TAU, default) | uniform | round:K (rounding to K decimals, implies TAU)")
     e.add_argument("--sign-only", action="store_true", help="the oracle answers only 1 if f(X) > 0 else 0")
     e.add_argument("--input-norm", type=float, default=None, metavar="R",
                    help="the oracle refuses tokens with ||x|| > R (noisy/membership methods default to R = 1)")
 
     sub.add_parser("targets", help="list the available target kinds")
+
+    b = sub.add_parser("bench", help="run a benchmark job and print its table")
+    jobs = b.add_subparsers(dest="job", required=True)
+    from . import bench_real
+    bench_real.add_arguments(jobs.add_parser(
+        "real", help="extract all 72 heads of all-MiniLM-L6-v2 (and one head per black-box module)"))
     return p
 
 
@@ -157,6 +164,54 @@ def print_table(row: dict) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+# Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is
+# what keeps additive noise from being made negligible just by scaling the inputs up (Section 6).
+NORM_BOUND_METHODS = {"noisy-paper", "noisy", "membership-paper", "membership"}
+
+
+def input_norm_for(args) -> float | None:
+    """The input-norm bound R: ``--input-norm``, else 1 for the noisy/membership methods, else none."""
+    if args.input_norm is not None:
+        if not (math.isfinite(args.input_norm) and args.input_norm > 0):
+            raise SpecError(f"--input-norm must be a positive number, got {args.input_norm}")
+        return float(args.input_norm)
+    return 1.0 if args.method in NORM_BOUND_METHODS else None
+
+
+def noise_tau(args) -> float:
+    """The tolerance the oracle's answers have: ``--noise``, or ``0.5 * 10**-K`` for round:K, else 0."""
+    from .oracles.tolerance import parse_mode, round_tolerance
+    if args.noise_mode is not None:
+        kind, K = parse_mode(args.noise_mode)
+        if kind == "round":
+            return round_tolerance(K)
+    return float(args.noise) if args.noise is not None else 0.0
+
+
+def build_oracle(target: Target, args, **oracle_kw) -> Oracle:
+    """The oracle stack the flags ask for, innermost first.
+
+    1. the target's oracle, with the budget, transcript and the input-norm bound R (``--input-norm``);
+    2. ``Tolerance`` (``--noise TAU --noise-mode MODE``; ``--noise-mode round:K`` alone implies TAU);
+    3. ``SignOnly`` (``--sign-only``), outermost.
+    """
+    from .oracles.tolerance import Tolerance, parse_mode
+    oracle = target.make_oracle(input_norm=input_norm_for(args), **oracle_kw)
+    if args.noise is not None and not (math.isfinite(args.noise) and args.noise >= 0):
+        raise SpecError(f"--noise must be a number >= 0, got {args.noise}")
+    if args.noise_mode is not None:
+        kind, _ = parse_mode(args.noise_mode)
+        if kind != "round" and args.noise is None:
+            raise SpecError(f"--noise-mode {args.noise_mode} needs --noise TAU")
+        oracle = Tolerance(oracle, args.noise, args.noise_mode)
+    elif args.noise is not None:
+        oracle = Tolerance(oracle, args.noise, "adversarial")
+    if args.sign_only:  # the membership oracle of Appendix B, outermost
+        from .oracles.sign_only import SignOnly
+        oracle = SignOnly(oracle)
+    return oracle
+
+
 def cmd_extract(args) -> int:
     if args.method not in METHODS:
         return _fail(2, f"unknown method {args.method!r} (known: {', '.join(METHODS)})")
@@ -174,14 +229,13 @@ def cmd_extract(args) -> int:
     oracle_kw = {"budget": args.budget, "transcript": transcript}
     bar = _ProgressBar(None, f"{args.method} {args.target}", enabled=not args.quiet)
     try:
-        oracle = target.make_oracle(**oracle_kw)
+        oracle = build_oracle(target, args, **oracle_kw)
         total = method.expected(target, args)
         if bar.bar is not None and total:
             bar.bar.update(bar.task, total=total)
         res = method.run(oracle, target, args, bar)
     except BudgetExceeded as e:
-        return _fail(3, f"{e}. {e.spent} queries were spent"
-                     + (f"; their answers are saved in {args.transcript}" if transcript is not None else ""))
+        return _fail(3, str(e) + (f"; their answers are saved in {args.transcript}" if transcript is not None else ""))
     except (NotIdentifiable, InvalidQuery, SpecError, ValueError) as e:
         return _fail(2, str(e))
     except (OracleError, ConvergenceError) as e:
@@ -195,7 +249,8 @@ def cmd_extract(args) -> int:
     fidelity = None
     if args.verify > 0:
         try:
-            fidelity = res.verify(target.make_oracle(), args.verify, rng=np.random.default_rng(10_000 + args.seed))
+            # against the clean target (no noise wrapper), tokens scaled to the input-norm bound
+            fidelity = res.verify(target.make_oracle(input_norm=input_norm_for(args)), args.verify, rng=np.random.default_rng(10_000 + args.seed))
         except HeadthiefError as e:
             print(f"headthief: verification skipped: {e}", file=sys.stderr)
     if args.save:
@@ -222,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_extract(args)
     if args.command == "targets":
         return cmd_targets(args)
+    if args.command == "bench" and args.job == "real":
+        from . import bench_real
+        return bench_real.run(args)
     return 2  # pragma: no cover
 
 
