@@ -8,8 +8,13 @@ inside the functions that need them.
 from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
                      OracleError, SpecError)
 from .extraction import Extraction, Fidelity, exact_query_count, extract_exact
+from .extraction import extract_membership, extract_membership_paper
+from .extraction import extract_lowrank, extract_rop, lowrank_query_count, rop_query_count
+from .extraction import extract_noisy, extract_noisy_paper
 from .models import AttentionHead, random_head
 from .oracles import CallableOracle, ModelOracle, Oracle, Transcript
+from .oracles import SignOnly
+from .oracles import Tolerance
 
 __version__ = "0.1.0"
 
@@ -17,6 +22,9 @@ __all__ = [
     "AttentionHead", "random_head",
     "Oracle", "ModelOracle", "CallableOracle", "Transcript",
     "extract_exact", "exact_query_count", "Extraction", "Fidelity",
+    "SignOnly", "extract_membership", "extract_membership_paper",
+    "extract_lowrank", "lowrank_query_count", "extract_rop", "rop_query_count",
+    "Tolerance", "extract_noisy", "extract_noisy_paper",
     "HeadthiefError", "BudgetExceeded", "NotIdentifiable", "InvalidQuery", "OracleError",
     "ConvergenceError", "SpecError",
 ]

@@ -47,9 +47,155 @@ def _expected_exact(target, args):
     return exact_query_count(target.d, bias=target.bias)
 
 
+def _noisy_settings(target, args, *, need: bool):
+    """W bound and margin for the noisy methods: --W-bound / --mu, else the target spec's W_norm / v_min."""
+    W_bound = args.W_bound if args.W_bound is not None else target.info.get("W_norm")
+    mu = args.mu if args.mu is not None else target.info.get("v_min")
+    if need and W_bound is None:
+        raise SpecError(f"--method {args.method} needs --W-bound W (the known bound on ||W||_F, W >= 2); "
+                        "random: targets with W_norm= set it")
+    if need and mu is None:
+        raise SpecError(f"--method {args.method} needs --mu M (the margin: every non-zero |v_i| >= M); "
+                        "random: targets with v_min= set it")
+    return W_bound, mu
+
+
+def _run_noisy_paper(oracle, target, args, progress):
+    from .extraction.noisy_paper import extract_noisy_paper
+    if target.bias:
+        raise SpecError("noisy-paper is Theorem 6.1 for the paper's model (no biases); use --method noisy")
+    W_bound, mu = _noisy_settings(target, args, need=True)
+    return extract_noisy_paper(oracle, W_bound=W_bound, mu=mu, progress=progress)
+
+
+def _expected_noisy_paper(target, args):
+    from .extraction.noisy_paper import noisy_paper_query_count
+    return noisy_paper_query_count(target.d)
+
+
+def _run_noisy(oracle, target, args, progress):
+    from .extraction.noisy import extract_noisy
+    W_bound, _ = _noisy_settings(target, args, need=False)
+    return extract_noisy(oracle, tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
+                         extra=args.extra_probes, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_noisy(target, args):
+    from .extraction.noisy import noisy_query_count
+    return noisy_query_count(target.d, bias=target.bias, extra=args.extra_probes)
+
+
+def _membership_paper_settings(target, args):
+    """Theorem B.1's known constants: --W-bound / --mu, else the random: spec's W_norm and v_min / v_norm."""
+    W_bound = args.W_bound if getattr(args, "W_bound", None) is not None else target.info.get("W_norm")
+    mu = getattr(args, "mu", None)
+    if mu is None and target.info.get("v_min") is not None:
+        mu = target.info["v_min"] / target.info.get("v_norm", 1.0)   # the theorem normalises ||v|| = 1
+    if W_bound is None or mu is None:
+        raise SpecError("--method membership-paper needs Theorem B.1's known constants: --W-bound W (>= 2, "
+                        "a bound on ||W||_F) and --mu M (min |v_i| / ||v||); random: targets with W_norm=, "
+                        "v_min= (and v_norm=) set them")
+    return max(2.0, float(W_bound)), float(mu)
+
+
+def _run_membership_paper(oracle, target, args, progress):
+    from .extraction.membership_paper import extract_membership_paper
+    if target.bias:
+        raise SpecError("membership-paper is Theorem B.1 for the paper's model (no biases); use --method membership")
+    W_bound, mu = _membership_paper_settings(target, args)
+    k = args.sphere_queries if args.sphere_queries is not None else 64 * target.d ** 2
+    return extract_membership_paper(oracle, W_bound=W_bound, mu=mu, eps_W=args.eps_W, k=k,
+                                    rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_membership_paper(target, args):
+    from .extraction.membership_paper import paper_query_count
+    try:
+        W_bound, mu = _membership_paper_settings(target, args)
+    except SpecError:
+        return None
+    k = args.sphere_queries if args.sphere_queries is not None else 64 * target.d ** 2
+    return paper_query_count(target.d, k, args.eps_W, mu, W_bound)
+
+
+def _membership_bias(target, args) -> bool:
+    # a rounding API read through its sign answers [f > 0.5 * 10**-K]: an output-bias shift, so the
+    # biased variant (which recovers the threshold) is used
+    return bool(target.bias or (args.noise_mode or "").startswith("round:"))
+
+
+def _run_membership(oracle, target, args, progress):
+    from .extraction.membership import extract_membership
+    return extract_membership(oracle, bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
+                              progress=progress)
+
+
+def _expected_membership(target, args):
+    from .extraction.membership import membership_query_bound
+    return membership_query_bound(target.d, bias=_membership_bias(target, args))
+
+
+def _rank_arg(args) -> int | None:
+    """--rank for lowrank/rop: an integer, or None for 'auto'."""
+    if args.rank is None or str(args.rank).strip().lower() == "auto":
+        return None
+    try:
+        return int(args.rank)
+    except ValueError:
+        raise SpecError(f"--rank must be an integer or 'auto', got {args.rank!r}") from None
+
+
+def _run_lowrank(oracle, target, args, progress):
+    from .extraction.lowrank import extract_lowrank
+    return extract_lowrank(oracle, rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
+                           scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_lowrank(target, args):
+    from .extraction.lowrank import lowrank_query_count
+    r = _rank_arg(args)
+    if r is None or not 1 <= r <= target.d or (args.oversample is not None and args.oversample < 0):
+        return None     # rank auto: not known in advance (bad settings: the method says why)
+    return lowrank_query_count(target.d, r, bias=target.bias, oversample=args.oversample or 0)
+
+
+def _run_rop(oracle, target, args, progress):
+    from .extraction.rop import extract_rop
+    return extract_rop(oracle, rank=_rank_arg(args), measurements=args.measurements,
+                       oversampling=args.oversampling, solver=args.solver, bias=target.bias,
+                       scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_rop(target, args):
+    from .extraction.rop import rop_query_count
+    r = _rank_arg(args)
+    if r is None or not 1 <= r <= target.d:
+        return None
+    try:
+        return rop_query_count(target.d, r, measurements=args.measurements, oversampling=args.oversampling,
+                               solver=args.solver, bias=target.bias)
+    except ValueError:
+        return None
+
+
 METHODS: dict[str, Method] = {
     "exact": Method(_run_exact, _expected_exact,
                     "Theorem 4.1: d^2 + d queries (d^2 + 2d + 1 with biases), exact recovery"),
+    "noisy-paper": Method(_run_noisy_paper, _expected_noisy_paper,
+                          "Theorem 6.1 as stated: d + d^2 queries, answers within +-tau (needs --W-bound, --mu)"),
+    "noisy": Method(_run_noisy, _expected_noisy,
+                    "answers within +-tau: probes chosen for the sigmoid inversion, d + d^2 queries"),
+    "membership-paper": Method(_run_membership_paper, _expected_membership_paper,
+                               "Theorem B.1 as stated: sign-only answers, k sphere queries for v + d^2 "
+                               "bisections (needs --W-bound, --mu; its probes need --input-norm > 1)"),
+    "membership": Method(_run_membership, _expected_membership,
+                         "sign-only answers: bisection for v's direction and every W entry, about 42 (d^2 + d) queries"),
+    "lowrank": Method(_run_lowrank, _expected_lowrank,
+                      "adaptive sketches W B, A^T W: d + r(2d - r) queries for rank r (--rank R|auto, "
+                      "--oversample K)"),
+    "rop": Method(_run_rop, _expected_rop,
+                  "Theorem 5.1: d + m Gaussian rank-one measurements (--rank R, --solver als|convex, "
+                  "--measurements M or --oversampling C)"),
 }
 
 
@@ -88,7 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--noise", type=float, default=None, metavar="TAU", help="answers within +-TAU of the truth")
     e.add_argument("--noise-mode", default=None,
                    help="adversarial (+-TAU, default) | uniform | round:K (rounding to K decimals, implies TAU)")
-    e.add_argument("--sign-only", action="store_true", help="the oracle answers only 1 if f(X) > 0 else 0")
+    e.add_argument("--sign-only", action="store_true",
+                   help="the oracle answers only 1 if f(X) > 0 else 0 (implied by the membership methods)")
+    e.add_argument("--sphere-queries", type=int, default=None, metavar="K",
+                   help="membership-paper: random sphere queries for v (default 64 d^2)")
+    e.add_argument("--eps-W", dest="eps_W", type=float, default=0.1, metavar="EPS",
+                   help="membership-paper: target ||W_hat - W||_F, sets the bisection accuracy (default 0.1)")
+    e.add_argument("--W-bound", dest="W_bound", type=float, default=None, metavar="W",
+                   help="noisy-paper/noisy: known bound on ||W||_F (default: the random: spec's W_norm)")
+    e.add_argument("--mu", type=float, default=None, metavar="M",
+                   help="noisy-paper: margin, every non-zero |v_i| >= M (default: the random: spec's v_min)")
+    e.add_argument("--extra-probes", type=int, default=0, metavar="K",
+                   help="noisy: K extra probes per column, solved by least squares (default 0)")
     e.add_argument("--input-norm", type=float, default=None, metavar="R",
                    help="the oracle refuses tokens with ||x|| > R (noisy/membership methods default to R = 1)")
 
@@ -167,6 +324,8 @@ def print_table(row: dict) -> None:
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is
 # what keeps additive noise from being made negligible just by scaling the inputs up (Section 6).
 NORM_BOUND_METHODS = {"noisy-paper", "noisy", "membership-paper", "membership"}
+# Methods that read only the sign of each answer: --sign-only is implied for them.
+SIGN_ONLY_METHODS = {"membership-paper", "membership"}
 
 
 def input_norm_for(args) -> float | None:
@@ -206,7 +365,10 @@ def build_oracle(target: Target, args, **oracle_kw) -> Oracle:
         oracle = Tolerance(oracle, args.noise, args.noise_mode)
     elif args.noise is not None:
         oracle = Tolerance(oracle, args.noise, "adversarial")
-    if args.sign_only:  # the membership oracle of Appendix B, outermost
+    if args.sign_only or args.method in SIGN_ONLY_METHODS:  # Appendix B's membership oracle, outermost
+        if args.method not in SIGN_ONLY_METHODS:
+            raise SpecError(f"--sign-only: the oracle answers only 0/1, which --method {args.method} cannot use; "
+                            f"use --method {' or '.join(sorted(SIGN_ONLY_METHODS))}")
         from .oracles.sign_only import SignOnly
         oracle = SignOnly(oracle)
     return oracle

@@ -95,7 +95,7 @@ def _check_keys(kind: str, opts: dict, allowed: set[str]) -> None:
 
 
 def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
-    _check_keys("random", opts, {"d", "seed", "rank", "sparse_v", "v", "bias", "dtype"})
+    _check_keys("random", opts, {"d", "seed", "rank", "sparse_v", "v", "bias", "dtype", "W_norm", "v_norm", "v_min"})
     d = _int(opts, "d", lo=1)
     seed = _int(opts, "seed", 0, lo=0)
     rank = _int(opts, "rank", d, lo=1)
@@ -111,11 +111,18 @@ def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Targe
     dtype = opts.get("dtype", "float64")
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
-    head = random_head(d, rng=seed, rank=rank, sparse_v=sparse_v, v_zero=vmode == "zero", bias=bias,
-                       dtype=np.float32 if dtype == "float32" else np.float64)
+    norms = {k: _float(opts, k, None) for k in ("W_norm", "v_norm", "v_min") if k in opts}
+    for k, x in norms.items():
+        if not (np.isfinite(x) and x >= 0):
+            raise SpecError(f"{k}={x} must be a finite number >= 0")
+    try:
+        head = random_head(d, rng=seed, rank=rank, sparse_v=sparse_v, v_zero=vmode == "zero", bias=bias,
+                           dtype=np.float32 if dtype == "float32" else np.float64, **norms)
+    except ValueError as e:
+        raise SpecError(f"{spec}: {e}") from None
     return Target(spec=spec, d=d, bias=bias, truth=head,
                   make_oracle=lambda **kw: ModelOracle(head, **kw),
-                  info={"dtype": dtype, "true_rank": rank})
+                  info={"dtype": dtype, "true_rank": rank, **norms})
 
 
 def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
@@ -141,7 +148,7 @@ def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
                   make_oracle=lambda **kw: CallableOracle(fn, int(d), **kw), info={"callable": func})
 
 
-register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero][,bias=1][,dtype=float32]",
+register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero][,bias=1][,dtype=float32][,W_norm=X][,v_norm=Y][,v_min=M]",
                     "a seeded random head (Section 3 model; biases with bias=1; factored W when rank < d)",
                     _build_random))
 
@@ -162,3 +169,7 @@ def describe() -> list[tuple[str, str]]:
     rows.append(("py:PATH.py:FUNC --d D [--bias]",
                  "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array"))
     return rows
+
+
+# Target kinds on real models (minilm:, minilm-hf:, torch-mha:); they register themselves on import.
+from . import real_targets  # noqa: E402,F401

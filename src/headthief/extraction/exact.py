@@ -71,7 +71,7 @@ def extract_exact(
     single = looks_float32(v + beta)
 
     if probes == "basis":
-        U, p = basis_design(v)
+        U, p = basis_design(v, zero_tol=0.5)
     else:
         U = np.random.default_rng(rng).standard_normal((d, d))
         if np.any(np.abs(U @ v) < 1e-9 * np.linalg.norm(v) * np.sqrt(d)):
@@ -80,22 +80,37 @@ def extract_exact(
     fixed = scales == "unit"
 
     c = np.zeros(d)
-    c_scaler = ProbeScaler(fixed=fixed)
+    # Float64 answers have digits to spare, so their logits aim lower and the scale grows more slowly:
+    # headroom for an entry far larger than those seen so far, which would otherwise cost a re-ask.
+    # Float32 answers need logits of order 1 to keep their digits.
+    roomy = {} if single else {"growth": 2.0}
+    c_scaler = ProbeScaler(fixed=fixed, T=1.0 if single else 1 / 8, **roomy)
     if bias:
         known0 = Known(v=v, c=np.zeros(d), beta=beta)
         gc = linear_measurements(oracle, U, known0, c_scaler, max_chunk=chunk, progress=progress)
         c = scipy.linalg.lu_solve(lu, gc)
     known = Known(v=v, c=c, beta=beta)
 
-    scaler = ProbeScaler(fixed=fixed)
+    scaler = ProbeScaler(fixed=fixed, T=1.0 if single else 1 / 2, **roomy)
     design = ProbeDesign(U, known)
     G = np.empty((d, d))
     e = np.zeros(d)
+    weight = np.zeros(d)    # how large each measurement row has been, relative to its column
+    inv_norm = np.linalg.norm(scipy.linalg.lu_solve(lu, np.eye(d)), axis=0)
     for j in range(d):
         e[:] = 0.0
         e[j] = 1.0
+        # Float64 answers have digits to spare: open each new column with one low-scale pilot probe
+        # (the row that has carried the most of the earlier columns), so a column far larger than the
+        # ones before it sets the scale without any re-asked query. Float32 answers keep full scale.
+        # The pilot row: large in the earlier columns (so it reads this column's scale) and a small
+        # column of U^{-1} (so the solve amplifies its coarser reading least).
+        pilot = None if single or j == 0 else int(np.argmax(np.sqrt(weight) / inv_norm))
         G[:, j] = bilinear_measurements(oracle, U, e, known, scaler, max_chunk=chunk, progress=progress,
-                                        design=design)
+                                        design=design, pilot=pilot)
+        norm = np.linalg.norm(G[:, j])
+        if norm > 0:
+            weight += (G[:, j] / norm) ** 2
     W = scipy.linalg.lu_solve(lu, G)
 
     requeried = scaler.requeried + c_scaler.requeried

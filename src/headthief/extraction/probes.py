@@ -109,12 +109,19 @@ def bilinear_measurements(
     max_chunk: int,
     progress: Progress = None,
     design: "ProbeDesign | None" = None,
+    pilot: int | None = None,
+    pilot_factor: float = 1 / 16,
 ) -> np.ndarray:
     """Measure ``g_k = u_k^T W b_k`` for the rows of U and B (each (m, d), or B one (d,) vector).
 
     One two-row query per measurement (plus re-asks of saturated probes, counted in
     ``scaler.requeried``). Queries are sent in chunks of at most ``max_chunk`` sequences.
     ``design`` caches what depends only on U and ``known`` (pass it when U is reused across calls).
+
+    ``pilot``: the index of one measurement to take first, alone and at ``pilot_factor`` times the
+    current scale, so that a new direction ``b`` whose measurements are far larger than all before it
+    (common for low-rank W: one column of W can be hundreds of times larger than the previous ones)
+    sets the scale for the rest without saturating them. It costs one oracle call, not one query.
     """
     if design is None:
         design = ProbeDesign(U, known)
@@ -131,14 +138,23 @@ def bilinear_measurements(
         bnorm = np.linalg.norm(B, axis=1)
         bv = B @ v
     out = np.empty(m)
+    order = np.arange(m)
+    if pilot is not None and not scaler.fixed and m > 1:
+        idx = np.array([pilot])
+        g = _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler, boost=pilot_factor)
+        out[idx] = g
+        scaler.update(g, unorm[idx] * bnorm[idx])
+        if progress is not None:
+            progress(1)
+        order = np.delete(order, pilot)
     start = 0
-    while start < m:
+    while start < order.size:
         n = scaler.chunk_size(max_chunk)
-        idx = np.arange(start, min(m, start + n))
+        idx = order[start:start + n]
         g = _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler)
         out[idx] = g
         scaler.update(g, unorm[idx] * bnorm[idx])
-        start = idx[-1] + 1
+        start += idx.size
         if progress is not None:
             progress(len(idx))
     return out
@@ -170,10 +186,10 @@ class ProbeDesign:
         X0[sub.row, sub.col] += s[sub.row] * sub.data
 
 
-def _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler):
+def _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler, boost=1.0):
     U, unorm, uv, uc = design.U, design.unorm, design.uv, design.uc
     norms = unorm[idx] * bnorm[idx]
-    kappa = scaler.kappa(norms)
+    kappa = scaler.kappa(norms) * boost
     g = np.full(len(idx), np.nan)
     todo = np.arange(len(idx))
     for attempt in range(scaler.max_retries + 1):

@@ -96,7 +96,11 @@ class Extraction:
                         max_rel_err=float(err.max() / max(rms, 1e-300)))
 
     def errors(self, truth: AttentionHead) -> dict[str, float | None]:
-        """Parameter errors against a known head: ``X_rel_err = ||X_hat - X|| / ||X||``."""
+        """Parameter errors against a known head: ``X_rel_err = ||X_hat - X|| / ||X||``.
+
+        When only v's direction is identifiable (``v_scale_known`` False) ``v_rel_err`` is None,
+        ``v_dir_err`` is reported instead, and beta is compared with ``beta / ||v||``.
+        """
         W = truth.dense_W()
         out: dict[str, float | None] = {"W_rel_err": rel_err(self.W, W)}
         v = truth.v.astype(np.float64)
@@ -108,7 +112,9 @@ class Extraction:
         tc = truth.c.astype(np.float64) if truth.c is not None else None
         out["c_rel_err"] = rel_err(self.c, tc) if (self.c is not None and tc is not None) else None
         if self.beta is not None and truth.beta is not None:
-            out["beta_abs_err"] = abs(self.beta - truth.beta)
+            # sign-only answers identify beta in units of ||v|| only (as they identify v's direction)
+            tb = float(truth.beta) if self.v_scale_known else float(truth.beta) / float(np.linalg.norm(v))
+            out["beta_abs_err"] = abs(self.beta - tb)
         else:
             out["beta_abs_err"] = None
         return out

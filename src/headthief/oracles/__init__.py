@@ -1,6 +1,8 @@
 """Oracles: the black boxes headthief queries, and the wrappers that model what an API returns."""
 
 from .base import CallableOracle, ModelOracle, Oracle, WrappedOracle, as_batch
+from .sign_only import SignOnly
+from .tolerance import Tolerance
 from .transcript import Transcript
 
-__all__ = ["Oracle", "ModelOracle", "CallableOracle", "WrappedOracle", "Transcript", "as_batch"]
+__all__ = ["Oracle", "ModelOracle", "CallableOracle", "WrappedOracle", "SignOnly", "Tolerance", "Transcript", "as_batch"]

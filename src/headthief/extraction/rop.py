@@ -1,0 +1,260 @@
+"""Low-rank recovery from non-adaptive rank-one measurements (the paper's Theorem 5.1).
+
+Algorithm (paper, Section 5, proof of Theorem 5.1, extended to the biases of real heads):
+
+1. ``v`` (and ``beta``, ``c`` with biases) as in Theorem 4.1: d queries (+ d + 1).
+2. Draw m i.i.d. Gaussian pairs ``(a_k, b_k)`` in advance and query ``X = [(a_k + b_k); b_k]``: the
+   sigmoid inversion gives the rank-one measurement ``t_k = a_k^T W b_k = <a_k b_k^T, W>``. With
+   ``scales="unit"`` the probes are exactly the paper's; the default scales each pair as
+   ``[s a + lam b ; lam b]`` from the answers so that the softmax never saturates (a d = 400 head
+   has logits ``a^T W b`` in the tens at unit scale), which measures the same ``t_k``.
+3. Solve for the rank-r W: ``solver="convex"`` is the paper's nuclear-norm program (2) with cvxpy
+   (:mod:`.sensing_convex`, d <= 60); ``solver="als"`` is alternating least squares on ``W = U V^T``
+   with a spectral start (:mod:`.sensing_als`), which scales to d in the thousands.
+
+Query count: ``d + m`` (``2d + 1 + m`` with biases), plus re-asked saturated probes
+(``diagnostics["requeried"]``). ``m = ceil(C r(2d - r))``. Measured on exact oracles
+(``experiments/phase_transition.py``, d = 20, r = 2, 16 trials): the convex program recovers W in
+0% of trials at C = 1.75, 19% at 2, 94% at 2.25 and all from 2.5, so the default is C = 3; ALS in
+94% at C = 1.5 and all from 1.75 (all from 1.5 at d = 100, r = 4), default C = 1.5.
+
+Rank: m depends on r, so r is needed before the batch is sent. Given, it is used as is. Rank
+``None`` (``--rank auto``) runs a small adaptive preamble first: a core ``Psi^T W Omega`` of Gaussian
+rank-one measurements ``psi_i^T W omega_j`` grown by one row and column at a time until it has
+``p`` more rows than its numerical rank (singular values above ``sqrt(u) sigma_1``, u the unit
+roundoff of the answers; p = 2, or 10 on float32 oracles). That costs ``(r + p)^2`` queries, and its
+measurements join the m others in the solve.
+
+Because the probes are fixed in advance (one batch, or a defence that only answers pre-registered
+inputs), this is the method for non-adaptive settings; with adaptive queries :mod:`.lowrank`
+reaches ``d + r(2d - r)`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import scipy.linalg
+
+from ..errors import NotIdentifiable
+from ..oracles.base import Oracle
+from .lowrank import _AnswerPrecision
+from .probes import (Known, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
+                     linear_measurements, value_phase)
+from .result import Extraction
+from .sensing_als import solve_als
+from .sensing_convex import CONVEX_MAX_D, check_convex_size, solve_nuclear
+
+DEFAULT_OVERSAMPLING = {"convex": 3.0, "als": 1.5}
+"""Measurements as a multiple of r(2d - r) when neither ``measurements`` nor ``oversampling`` is given."""
+
+MAX_PROBE_BYTES = 4 * 2**30
+"""The probe pairs are kept for the solver (2 m d float64): refuse runs that would need more."""
+
+
+class _Watched:
+    """Passes queries to the oracle and shows every answer to ``watch`` (counts stay on the oracle)."""
+
+    def __init__(self, oracle: Oracle, watch: _AnswerPrecision):
+        self.oracle = oracle
+        self.d = oracle.d
+        self.watch = watch
+
+    def query(self, X):
+        y = self.oracle.query(X)
+        self.watch(y)
+        return y
+
+
+def _detect_rank(oracle, known, scaler, rng, *, chunk, progress, watch):
+    """Grow the core ``C = Psi^T W Omega`` until it has ``p`` more rows than its numerical rank.
+
+    Returns ``(rank, A_rows, B_rows, t, tol)``: the core's measurements as rank-one data.
+    """
+    d = oracle.d
+    Psi = np.empty((0, d))
+    Om = np.empty((0, d))
+    C = np.zeros((0, 0))
+    rows_a, rows_b, vals = [], [], []
+    rank, tol = 0, 1.0
+    while Psi.shape[0] < d:
+        ell = Psi.shape[0]
+        psi, om = rng.standard_normal(d), rng.standard_normal(d)
+        # the new row psi^T W [Omega, om] and the new column Psi^T W om
+        Ua = np.vstack([np.broadcast_to(psi, (ell + 1, d)), Psi])
+        Ub = np.vstack([Om, om[None, :], np.broadcast_to(om, (ell, d))])
+        g = bilinear_measurements(oracle, Ua, Ub, known, scaler, max_chunk=chunk, progress=progress)
+        C2 = np.zeros((ell + 1, ell + 1))
+        C2[:ell, :ell] = C
+        C2[ell, :] = g[:ell + 1]
+        C2[:ell, ell] = g[ell + 1:]
+        C = C2
+        Psi = np.vstack([Psi, psi])
+        Om = np.vstack([Om, om])
+        rows_a.append(Ua)
+        rows_b.append(Ub)
+        vals.append(g)
+        tol = float(np.sqrt(watch.unit_roundoff))
+        margin = 10 if watch.name == "float32" else 2
+        sv = np.linalg.svd(C, compute_uv=False)
+        rank = int(np.sum(sv > tol * sv[0])) if sv[0] > 0 else 0
+        if ell + 1 - rank >= margin:
+            break
+    return rank, np.vstack(rows_a), np.vstack(rows_b), np.concatenate(vals), tol
+
+
+def rop_measurement_count(d: int, rank: int, oversampling: float) -> int:
+    """``ceil(C r(2d - r))``: the number of rank-one measurements for oversampling C."""
+    return int(math.ceil(oversampling * rank * (2 * d - rank)))
+
+
+def rop_query_count(d: int, rank: int, *, measurements: int | None = None,
+                    oversampling: float | None = None, solver: str = "als", bias: bool = False) -> int:
+    """Queries :func:`extract_rop` spends when no probe is re-asked."""
+    m = _measurements(d, rank, measurements, oversampling, solver)
+    return d + (d + 1 if bias else 0) + m
+
+
+def _measurements(d, rank, measurements, oversampling, solver) -> int:
+    if measurements is not None and oversampling is not None:
+        raise ValueError("give the number of measurements or the oversampling factor, not both")
+    if measurements is not None:
+        if isinstance(measurements, bool) or int(measurements) != measurements or measurements < 1:
+            raise ValueError(f"measurements must be a positive integer, got {measurements!r}")
+        return int(measurements)
+    C = DEFAULT_OVERSAMPLING[solver] if oversampling is None else float(oversampling)
+    if not (math.isfinite(C) and C > 0):
+        raise ValueError(f"oversampling must be a positive number, got {oversampling!r}")
+    return rop_measurement_count(d, rank, C)
+
+
+def _check_size(d: int, m: int) -> None:
+    if 2 * m * d * 8 > MAX_PROBE_BYTES:
+        raise ValueError(
+            f"{m} rank-one measurements at d = {d} need {2 * m * d * 8 / 2**30:.1f} GiB of probe pairs "
+            f"(limit {MAX_PROBE_BYTES / 2**30:.0f} GiB); use --method lowrank (adaptive, "
+            "d + r(2d - r) queries, O(d r) memory)")
+
+
+def extract_rop(
+    oracle: Oracle,
+    *,
+    rank: int | None,
+    measurements: int | None = None,
+    oversampling: float | None = None,
+    solver: str = "als",
+    bias: bool = False,
+    scales: str = "adaptive",
+    rng: np.random.Generator | int,
+    progress: Progress = None,
+    max_iter: int = 2000,
+) -> Extraction:
+    """Recover a rank-r head from m Gaussian rank-one measurements (Theorem 5.1).
+
+    Args:
+        oracle: the black box (value answers).
+        rank: the rank r of W; None detects it with a small adaptive preamble of about
+            ``(r + 2)^2`` queries (see the module docstring) before the m measurements are sent.
+        measurements: the number m of rank-one measurements; or
+        oversampling: m as a multiple C of r(2d - r) (default 3 for ``convex``, 1.5 for ``als``).
+        solver: ``"als"`` (scales to large d) or ``"convex"`` (the paper's nuclear-norm program,
+            d <= 60; needs cvxpy).
+        bias: the target may have a score bias c and an output bias beta (+ d + 1 queries).
+        scales: ``"adaptive"`` probe scales (default) or the paper's ``"unit"`` probes.
+        rng: generator (or seed) of the Gaussian probe pairs.
+        progress: called with the number of queries answered after each oracle call.
+        max_iter: cap on ALS sweeps.
+
+    Returns:
+        An :class:`Extraction` with the given or detected ``rank``; ``queries = d + m``
+        (``2d + 1 + m`` with ``bias``, plus the preamble with rank auto) plus
+        ``diagnostics["requeried"]``.
+
+    Raises:
+        ValueError: bad rank or sizes, or d too large for the convex solver (before any query is
+        spent). ConvergenceError: the solver did not converge.
+    """
+    d = oracle.d
+    if rank is not None:
+        if isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= d:
+            raise ValueError(f"rank must be an integer in 1..d = {d} or None (auto), got {rank!r}")
+        rank = int(rank)
+    if solver not in DEFAULT_OVERSAMPLING:
+        raise ValueError(f"solver must be 'als' or 'convex', got {solver!r}")
+    if scales not in ("adaptive", "unit"):
+        raise ValueError(f"scales must be 'adaptive' or 'unit', got {scales!r}")
+    if solver == "convex":
+        check_convex_size(d, CONVEX_MAX_D)
+    if rank is not None:
+        _check_size(d, _measurements(d, rank, measurements, oversampling, solver))
+    else:
+        _measurements(d, 1, measurements, oversampling, solver)     # validates the settings early
+    rng = np.random.default_rng(rng)
+    t_start = time.perf_counter()
+    q0, calls0 = oracle.queries, oracle.calls
+    chunk = chunk_for(d)
+    fixed = scales == "unit"
+
+    beta, v = value_phase(oracle, bias=bias, max_chunk=chunk, progress=progress)
+    c = np.zeros(d)
+    c_scaler = ProbeScaler(fixed=fixed)
+    if bias:
+        U, _ = basis_design(v)
+        gc = linear_measurements(oracle, U, Known(v=v, c=np.zeros(d), beta=beta), c_scaler,
+                                 max_chunk=chunk, progress=progress)
+        c = scipy.linalg.solve(U, gc)
+        del U
+    known = Known(v=v, c=c, beta=beta)
+
+    scaler = ProbeScaler(fixed=fixed)
+    rank_info: dict = {"rank_mode": "given" if rank is not None else "auto"}
+    if rank is None:
+        watch = _AnswerPrecision()
+        q_before = oracle.queries
+        rank, A0, B0, t0, tol = _detect_rank(_Watched(oracle, watch), known, scaler, rng, chunk=chunk,
+                                             progress=progress, watch=watch)
+        rank_info.update({"rank_queries": oracle.queries - q_before, "rank_tol": tol,
+                          "precision": watch.name})
+        if rank == 0:
+            raise NotIdentifiable("every rank-one measurement is zero: W = 0 at the oracle's precision")
+        m = _measurements(d, rank, measurements, oversampling, solver)
+        _check_size(d, m + t0.shape[0])
+    else:
+        m = _measurements(d, rank, measurements, oversampling, solver)
+        A0, B0, t0 = np.empty((0, d)), np.empty((0, d)), np.empty(0)
+
+    A = rng.standard_normal((m, d))
+    B = rng.standard_normal((m, d))
+    t = bilinear_measurements(oracle, A, B, known, scaler, max_chunk=chunk, progress=progress)
+    if t0.shape[0]:
+        A, B, t = np.vstack([A, A0]), np.vstack([B, B0]), np.concatenate([t, t0])
+    queries = oracle.queries - q0
+    dof = rank * (2 * d - rank)
+    diagnostics: dict = {
+        "solver": solver,
+        **rank_info,
+        "measurements": int(t.shape[0]),
+        "oversampling": round(t.shape[0] / dof, 4),
+        "requeried": scaler.requeried + c_scaler.requeried,
+        "oracle_calls": oracle.calls - calls0,
+        "scales": scales,
+    }
+    t_solve = time.perf_counter()
+    if solver == "als":
+        fit = solve_als(A, B, t, rank, max_iter=max_iter, rng=rng)
+        W = fit.U @ fit.V.T
+        diagnostics.update({"iterations": fit.iterations, "residual": fit.residual, "stop": fit.reason,
+                            "cg_steps": fit.cg_steps})
+    else:
+        W, info = solve_nuclear(A, B, t)
+        sv = np.linalg.svd(W, compute_uv=False)
+        diagnostics.update({"status": info["status"], "cvx_solver": info["solver"], "program": info["program"],
+                            "solution_rank": int(np.sum(sv > 1e-6 * sv[0])) if sv[0] > 0 else 0,
+                            "residual": float(np.linalg.norm(np.einsum("ij,ij->i", A @ W, B) - t)
+                                              / max(np.linalg.norm(t), 1e-300))})
+    diagnostics["solver_seconds"] = round(time.perf_counter() - t_solve, 4)
+    return Extraction(
+        method="rop", W=W, v=v, c=c if bias else None, beta=beta if bias else None, rank=rank,
+        queries=queries, seconds=time.perf_counter() - t_start, diagnostics=diagnostics)

