@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -181,6 +180,12 @@ def _expected_rop(target, args):
 METHODS: dict[str, Method] = {
     "exact": Method(_run_exact, _expected_exact,
                     "Theorem 4.1: d^2 + d queries (d^2 + 2d + 1 with biases), exact recovery"),
+    "lowrank": Method(_run_lowrank, _expected_lowrank,
+                      "adaptive sketches W B, A^T W: d + r(2d - r) queries for rank r (--rank R|auto, "
+                      "--oversample K)"),
+    "rop": Method(_run_rop, _expected_rop,
+                  "Theorem 5.1: d + m Gaussian rank-one measurements (--rank R, --solver als|convex, "
+                  "--measurements M or --oversampling C)"),
     "noisy-paper": Method(_run_noisy_paper, _expected_noisy_paper,
                           "Theorem 6.1 as stated: d + d^2 queries, answers within +-tau (needs --W-bound, --mu)"),
     "noisy": Method(_run_noisy, _expected_noisy,
@@ -190,12 +195,6 @@ METHODS: dict[str, Method] = {
                                "bisections (needs --W-bound, --mu; its probes need --input-norm > 1)"),
     "membership": Method(_run_membership, _expected_membership,
                          "sign-only answers: bisection for v's direction and every W entry, about 42 (d^2 + d) queries"),
-    "lowrank": Method(_run_lowrank, _expected_lowrank,
-                      "adaptive sketches W B, A^T W: d + r(2d - r) queries for rank r (--rank R|auto, "
-                      "--oversample K)"),
-    "rop": Method(_run_rop, _expected_rop,
-                  "Theorem 5.1: d + m Gaussian rank-one measurements (--rank R, --solver als|convex, "
-                  "--measurements M or --oversampling C)"),
 }
 
 
@@ -313,12 +312,30 @@ def report(target: Target, method: str, res: Extraction, fidelity, args) -> dict
     return out
 
 
+# The results table's first block: what was extracted, what it cost, how close it is.
+HEADLINE = ("target", "method", "d", "rank", "queries", "W_rel_err", "v_rel_err", "v_dir_err", "c_rel_err",
+            "beta_abs_err", "fidelity_max_rel_err", "verify_queries", "seconds")
+
+
 def print_table(row: dict) -> None:
+    """The results first, then the method's diagnostics and what the target says about itself."""
     width = max(len(k) for k in row)
-    for k, v in row.items():
+
+    def line(k, v):
         if isinstance(v, float):
             v = f"{v:.3e}" if (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6)) else f"{v:.6g}"
-        print(f"{k:<{width}}  {v}")
+        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10_000:
+            v = f"{v:,}"
+        print(f"{k:<{width}}  {'-' if v is None else v}")
+
+    for k in HEADLINE:
+        if k in row:
+            line(k, row[k])
+    rest = [k for k in row if k not in HEADLINE]
+    if rest:
+        print(f"{'-- diagnostics':<{width}}")
+        for k in rest:
+            line(k, row[k])
 
 
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is

@@ -244,14 +244,7 @@ def _structured_measurements(oracle: Oracle, *, side: str, dense: np.ndarray, in
             g[todo[~bad]] = gk[~bad]
             if not bad.any():
                 break
-            if scaler.fixed:
-                raise NotIdentifiable(
-                    f"{int(bad.sum())} unit-scale probe(s) saturated the softmax; use adaptive probe scales")
-            scaler.requeried += int(bad.sum())
-            tb = t[bad]
-            shrink = np.where(np.isfinite(tb), scaler.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
-            kappa[todo[bad]] *= np.minimum(shrink, 0.5)
-            todo = todo[bad]
+            todo = scaler.reask(kappa, todo, bad, t)
         else:
             raise ConvergenceError(
                 f"{len(todo)} probe(s) still saturated after {scaler.max_retries} re-asks at smaller scales")

@@ -26,7 +26,7 @@ asked again at a smaller scale, at most ``max_retries`` times, and the extra que
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -87,6 +87,21 @@ class ProbeScaler:
             return np.ones_like(norms)
         return self.level / norms
 
+    def reask(self, kappa: np.ndarray, todo: np.ndarray, bad: np.ndarray, t: np.ndarray,
+              what: str = "probe") -> np.ndarray:
+        """Count the saturated probes ``todo[bad]`` as re-asked and shrink their scales in ``kappa``:
+        by the measured overshoot where the logit ``t`` is known, by 32x where it is not.
+        Returns the indices still to ask. Unit-scale (``fixed``) probes cannot shrink: raises."""
+        if self.fixed:
+            raise NotIdentifiable(
+                f"{int(bad.sum())} unit-scale {what}(s) saturated the softmax (|logit| > {self.t_max:g} "
+                "or the attention weight fell outside (0, 1)); use adaptive probe scales")
+        self.requeried += int(bad.sum())
+        tb = t[bad]
+        shrink = np.where(np.isfinite(tb), self.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
+        kappa[todo[bad]] *= np.minimum(shrink, 0.5)
+        return todo[bad]
+
 
 def _invert(y, base, coef, offset, kappa, t_max):
     """Return (g, bad): g = (logit((y-base)/coef) - offset) / kappa, bad where saturated."""
@@ -130,7 +145,7 @@ def bilinear_measurements(
     B = np.asarray(B, dtype=np.float64)
     shared_b = B.ndim == 1
     v = known.v
-    unorm, uv, uc = design.unorm, design.uv, design.uc
+    unorm = design.unorm
     if shared_b:
         bnorm = np.full(m, np.linalg.norm(B))
         bv = np.full(m, B @ v)
@@ -221,16 +236,7 @@ def _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler, b
         g[todo[~bad]] = gk[~bad]
         if not bad.any():
             return g
-        if scaler.fixed:
-            raise NotIdentifiable(
-                f"{int(bad.sum())} unit-scale probe(s) saturated the softmax (|logit| > {scaler.t_max:g} "
-                "or the attention weight fell outside (0, 1)); use adaptive probe scales")
-        scaler.requeried += int(bad.sum())
-        # shrink: by the measured overshoot where the logit is known, by 32x where it is not
-        tb = t[bad]
-        shrink = np.where(np.isfinite(tb), scaler.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
-        kappa[todo[bad]] *= np.minimum(shrink, 0.5)
-        todo = todo[bad]
+        todo = scaler.reask(kappa, todo, bad, t)
     raise ConvergenceError(
         f"{len(todo)} probe(s) still saturated after {scaler.max_retries} re-asks at smaller scales")
 
@@ -270,13 +276,7 @@ def linear_measurements(
             g[todo[~bad]] = gk[~bad]
             if not bad.any():
                 break
-            if scaler.fixed:
-                raise NotIdentifiable("a unit-scale bias probe saturated the softmax; use adaptive probe scales")
-            scaler.requeried += int(bad.sum())
-            tb = t[bad]
-            shrink = np.where(np.isfinite(tb), scaler.T / np.maximum(np.abs(tb), 1e-300), 1 / 32)
-            kappa[todo[bad]] *= np.minimum(shrink, 0.5)
-            todo = todo[bad]
+            todo = scaler.reask(kappa, todo, bad, t, what="bias probe")
         else:
             raise ConvergenceError(
                 f"{len(todo)} bias probe(s) still saturated after {scaler.max_retries} re-asks")

@@ -45,6 +45,16 @@ class ALSResult:
     spectral_residual: float
 
 
+
+def as_measurements(A, B, t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank-one measurements ``t_k = a_k^T W b_k`` as float64 arrays, shapes checked: A, B (m, d), t (m,)."""
+    A = np.asarray(A, dtype=np.float64)
+    B = np.asarray(B, dtype=np.float64)
+    t = np.asarray(t, dtype=np.float64)
+    if A.ndim != 2 or B.shape != A.shape or t.shape != (A.shape[0],):
+        raise ValueError(f"A, B must be (m, d) and t (m,), got {A.shape}, {B.shape}, {t.shape}")
+    return A, B, t
+
 def _rowdot(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", X, Y)
 
@@ -141,12 +151,8 @@ def solve_als(
             followed by up to this many random starts.
         rng: generator (or seed) of the random restarts.
     """
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
-    t = np.asarray(t, dtype=np.float64)
+    A, B, t = as_measurements(A, B, t)
     m, d = A.shape
-    if B.shape != (m, d) or t.shape != (m,):
-        raise ValueError(f"A, B must be (m, d) and t (m,), got {A.shape}, {B.shape}, {t.shape}")
     if not 1 <= rank <= d:
         raise ValueError(f"rank must be in 1..{d}, got {rank}")
     if max_iter < 1:

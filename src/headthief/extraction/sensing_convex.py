@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 
 from ..errors import ConvergenceError
+from .sensing_als import as_measurements
 
 CONVEX_MAX_D = 60
 """Largest d the convex solver accepts (d = 60 already takes a minute and ~3.4 GB on 2 cores)."""
@@ -68,12 +69,8 @@ def solve_nuclear(
         ValueError: d above ``max_d``. ImportError: cvxpy missing. ConvergenceError: the solver did
         not reach an optimal (or optimal-inaccurate) status.
     """
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
-    t = np.asarray(t, dtype=np.float64)
+    A, B, t = as_measurements(A, B, t)
     m, d = A.shape
-    if B.shape != (m, d) or t.shape != (m,):
-        raise ValueError(f"A, B must be (m, d) and t (m,), got {A.shape}, {B.shape}, {t.shape}")
     check_convex_size(d, max_d)
     try:
         import cvxpy as cp
