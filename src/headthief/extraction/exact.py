@@ -41,7 +41,7 @@ def extract_exact(
     probes: str = "basis",
     bias: bool = False,
     scales: str = "adaptive",
-    rng: np.random.Generator | int | None = None,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
 ) -> Extraction:
     """Recover (W, v) — and (c, beta) with ``bias`` — exactly from value queries (Theorem 4.1).

@@ -278,7 +278,7 @@ def extract_lowrank(
     oversample: int | None = None,
     rank_tol: float | None = None,
     scales: str = "adaptive",
-    rng: np.random.Generator | int,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
 ) -> Extraction:
     """Recover a low-rank head (W, v) — and (c, beta) with ``bias`` — with adaptive sketches.

@@ -407,7 +407,7 @@ def extract_membership(
     max_iter: int = 64,
     max_retries: int = 6,
     logit_target: float = 1.0,
-    rng: np.random.Generator | int | None = None,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
 ) -> Extraction:
     """Recover v's direction and W (and ``beta/||v||``, c with ``bias``) from sign-only answers.

@@ -189,7 +189,7 @@ def extract_membership_paper(
     eps_W: float = 0.1,
     k: int,
     v_hat: np.ndarray | None = None,
-    rng: np.random.Generator | int | None = None,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
 ) -> Extraction:
     """Theorem B.1 as stated: v's direction from k sphere queries, then each W_ij by bisection.

@@ -213,7 +213,7 @@ def extract_noisy(
     extra: int = 0,
     reask: bool = True,
     max_retries: int = 8,
-    rng: np.random.Generator | int | None = None,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
 ) -> Extraction:
     """Recover (W, v) (and c, beta with ``bias``) from answers within +-tau (see the module docstring).

@@ -147,7 +147,7 @@ def extract_rop(
     solver: str = "als",
     bias: bool = False,
     scales: str = "adaptive",
-    rng: np.random.Generator | int,
+    rng: np.random.Generator | int = 0,
     progress: Progress = None,
     max_iter: int = 2000,
 ) -> Extraction:
