@@ -87,6 +87,21 @@ def test_transcript_resume(tmp_path, capsys):
     assert code == 3 and str(t) in err
     code, row, _ = run_json(capsys, "--target", "random:d=16,seed=1", "--transcript", str(t))
     assert code == 0 and row["queries"] == 272 and row["W_rel_err"] <= 1e-10
+    # nothing paid for is paid twice: the first run's answers (a whole number of calls, <= 150) are replayed
+    assert 0 < row["transcript_replayed"] <= 150
+    assert row["transcript_replayed"] + row["transcript_sent"] == 272
+
+
+def test_transcript_resume_through_a_threat_model(tmp_path, capsys):
+    t = tmp_path / "t.npz"
+    args = ["--target", "random:d=32,seed=1,rank=3", "--method", "lowrank", "--rank", "3", "--noise", "1e-9",
+            "--transcript", str(t)]
+    code, _, _ = run_json(capsys, *args, "--budget", "120")
+    assert code == 3
+    code, row, _ = run_json(capsys, *args)
+    assert code == 0 and row["W_rel_err"] <= 1e-5
+    assert row["transcript_replayed"] > 0
+    assert row["transcript_replayed"] + row["transcript_sent"] == row["queries"]
 
 
 def test_installed_entry_point_and_table():

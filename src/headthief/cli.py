@@ -20,7 +20,7 @@ from . import __version__
 from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
                      OracleError, SpecError)
 from .extraction.result import Extraction
-from .oracles.base import Oracle
+from .oracles.base import Oracle, WrappedOracle
 from .oracles.transcript import Transcript
 from .targets import Target, describe, resolve
 
@@ -435,6 +435,13 @@ def cmd_extract(args) -> int:
     if args.save:
         res.save(args.save)
     row = report(target, args.method, res, fidelity, args)
+    if transcript is not None:
+        # what this run paid for versus what the transcript already held
+        o = oracle
+        while o.transcript is None and isinstance(o, WrappedOracle):
+            o = o.inner
+        row["transcript_replayed"] = o.replayed
+        row["transcript_sent"] = o.fresh
     if args.json:
         print(json.dumps(row))
     else:
