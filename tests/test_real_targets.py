@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from headthief.cli import METHODS, main
+from headthief.cli import main
 from headthief.errors import SpecError
 from headthief.extraction.exact import exact_query_count, extract_exact
 from headthief.models import minilm
@@ -160,10 +160,8 @@ def test_cli_exact_saves_the_bert_head(capsys, tmp_path):
     assert np.linalg.norm(saved["c"] - c) <= 1e-4 * np.linalg.norm(c)
 
 
-needs_lowrank = pytest.mark.skipif("lowrank" not in METHODS, reason="the lowrank method is not in this build")
 
 
-@needs_lowrank
 def test_cli_lowrank_on_a_pretrained_head(capsys):
     code = main(["extract", "--target", "minilm:layer=2,head=5", "--method", "lowrank", "--json", "--quiet"])
     row = json.loads(capsys.readouterr().out)
@@ -177,8 +175,7 @@ def test_cli_lowrank_on_a_pretrained_head(capsys):
 
 def test_bench_real_subset(capsys, tmp_path):
     out = tmp_path / "heads.csv"
-    method = "lowrank" if "lowrank" in METHODS else "exact"
-    code = main(["bench", "real", "--method", method, "--layers", "4", "--heads", "0,9", "--no-blackbox",
+    code = main(["bench", "real", "--method", "lowrank", "--layers", "4", "--heads", "0,9", "--no-blackbox",
                  "--verify", "64", "--json", "--out", str(out)])
     data = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -246,7 +243,6 @@ def test_hf_module_agrees_with_the_numpy_head(hf):
     assert oracle.calls == 1
 
 
-@needs_lowrank
 def test_lowrank_through_the_hf_module(capsys, hf):
     code = main(["extract", "--target", "minilm-hf:layer=0,head=0", "--method", "lowrank", "--json", "--quiet"])
     row = json.loads(capsys.readouterr().out)

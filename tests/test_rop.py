@@ -34,7 +34,7 @@ def test_als_recovers_from_one_and_a_half_times_the_degrees_of_freedom():
 
 
 def test_convex_recovers_the_papers_program():
-    pytest.importorskip("cvxpy")
+    pytest.importorskip("cvxpy", reason="cvxpy is not installed (pip install 'headthief[convex]')")
     d, r = 12, 1
     head = random_head(d, rng=2, rank=r)
     res = extract_rop(ModelOracle(head), rank=r, solver="convex", oversampling=3, rng=0)
