@@ -118,3 +118,16 @@ def test_cli_rop(capsys):
     assert main(["extract", "--target", "random:d=80,rank=2", "--method", "rop", "--solver", "convex",
                  "--quiet"]) == 2
     assert "--solver als" in capsys.readouterr().err
+
+
+def test_too_few_measurements_warn_and_fail_honestly(capsys):
+    d, r = 16, 2
+    head = random_head(d, rng=4, rank=r)
+    res = extract_rop(ModelOracle(head), rank=r, oversampling=0.5, rng=0)
+    assert "fewer than the 60 degrees of freedom" in res.diagnostics["warning"]
+    assert res.errors(head)["W_rel_err"] > 1e-3          # underdetermined: no exact recovery
+    ok = extract_rop(ModelOracle(head), rank=r, oversampling=1.5, rng=0)
+    assert "warning" not in ok.diagnostics
+    code = main(["extract", "--target", f"random:d={d},rank={r},seed=4", "--method", "rop", "--rank", str(r),
+                 "--oversampling", "0.5", "--quiet", "--json", "--verify", "0"])
+    assert code == 0 and "warning: 30 rank-one measurements" in capsys.readouterr().err

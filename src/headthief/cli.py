@@ -425,6 +425,8 @@ def cmd_extract(args) -> int:
         bar.close()
         if transcript is not None:
             transcript.save(args.transcript)
+    if res.diagnostics.get("warning"):
+        print(f"headthief: warning: {res.diagnostics['warning']}", file=sys.stderr)
     fidelity = None
     if args.verify > 0:
         try:

@@ -241,6 +241,10 @@ def extract_rop(
         "oracle_calls": oracle.calls - calls0,
         "scales": scales,
     }
+    if t.shape[0] < dof:
+        diagnostics["warning"] = (
+            f"{t.shape[0]} rank-one measurements are fewer than the {dof} degrees of freedom r(2d - r) of a "
+            f"rank-{rank} W at d = {d}: W is not determined by them, expect a large error")
     t_solve = time.perf_counter()
     if solver == "als":
         fit = solve_als(A, B, t, rank, max_iter=max_iter, rng=rng)
