@@ -51,8 +51,17 @@ def test_theorem_6_1_guarantee_property(d, seed, W, sparse, eps_W, mode):
     tau = theorem_tolerance(d, W, mu, eps_W, eps_W)
     res = extract_noisy_paper(noisy_oracle(head, tau, mode, key=seed), W_bound=W, mu=mu)
     assert res.queries == d + d * d
-    assert np.linalg.norm(res.W - head.W) <= eps_W
     assert np.linalg.norm(res.v - head.v) <= eps_W
+    # The proof's gap: a zero row i is probed with e_i + e_p, whose logit ab (W_ij + W_pj) can leave the
+    # clip interval when |W_ij + W_pj| > W (it can reach sqrt(2) W). There the guarantee need not hold,
+    # and the estimator must say so; everywhere else it must hold.
+    p = int(np.argmax(np.abs(head.v)))
+    zero = np.flatnonzero(head.v == 0)
+    gap = zero.size > 0 and np.max(np.abs(head.W[zero] + head.W[p])) > W
+    if gap and res.diagnostics["clipped"] > 0:
+        return
+    assert res.diagnostics["clipped"] == 0
+    assert np.linalg.norm(res.W - head.W) <= eps_W
 
 
 def test_paper_estimator_is_exact_without_noise_and_keeps_the_norm_bound():
