@@ -13,7 +13,8 @@ Query count: ``d^2 + d`` for the paper's model, ``d^2 + 2d + 1`` with biases, pl
 saturated probes (reported as ``diagnostics["requeried"]``; none on well-scaled targets).
 
 Probe designs: ``"basis"`` is the paper's deterministic design (``u_l = e_l``, or ``e_l + e_p`` where
-``v_l = 0``); ``"gaussian"`` draws ``u_l ~ N(0, I_d)`` from ``rng``.
+``v_l = 0``); ``"gaussian"`` draws ``u_l ~ N(0, I_d)`` from ``rng``, each shifted by ``±v/||v||`` so that
+``|u_l^T v| >= ||v||`` (see :func:`~headthief.extraction.probes.gaussian_design`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import time
 import numpy as np
 import scipy.linalg
 
-from ..errors import NotIdentifiable
 from ..oracles.base import Oracle
 from .probes import (Known, ProbeDesign, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
-                     linear_measurements, looks_float32, numerical_rank, value_phase)
+                     gaussian_design, linear_measurements, looks_float32, numerical_rank, value_phase)
 from .result import Extraction
 
 
@@ -73,9 +73,7 @@ def extract_exact(
     if probes == "basis":
         U, p = basis_design(v, zero_tol=0.5)
     else:
-        U = np.random.default_rng(rng).standard_normal((d, d))
-        if np.any(np.abs(U @ v) < 1e-9 * np.linalg.norm(v) * np.sqrt(d)):
-            raise NotIdentifiable("a Gaussian probe is orthogonal to v; draw another seed")
+        U = gaussian_design(np.random.default_rng(rng), d, v)
     lu = scipy.linalg.lu_factor(U)
     fixed = scales == "unit"
 
@@ -84,7 +82,7 @@ def extract_exact(
     # headroom for an entry far larger than those seen so far, which would otherwise cost a re-ask.
     # Float32 answers need logits of order 1 to keep their digits.
     roomy = {} if single else {"growth": 2.0}
-    c_scaler = ProbeScaler(fixed=fixed, T=1.0 if single else 1 / 8, **roomy)
+    c_scaler = ProbeScaler(fixed=fixed, **roomy)
     if bias:
         known0 = Known(v=v, c=np.zeros(d), beta=beta)
         gc = linear_measurements(oracle, U, known0, c_scaler, max_chunk=chunk, progress=progress)
@@ -97,15 +95,16 @@ def extract_exact(
     e = np.zeros(d)
     weight = np.zeros(d)    # how large each measurement row has been, relative to its column
     inv_norm = np.linalg.norm(scipy.linalg.lu_solve(lu, np.eye(d)), axis=0)
+    readable = np.abs(U @ v) / np.linalg.norm(U, axis=1)
     for j in range(d):
         e[:] = 0.0
         e[j] = 1.0
         # Float64 answers have digits to spare: open each new column with one low-scale pilot probe
         # (the row that has carried the most of the earlier columns), so a column far larger than the
         # ones before it sets the scale without any re-asked query. Float32 answers keep full scale.
-        # The pilot row: large in the earlier columns (so it reads this column's scale) and a small
-        # column of U^{-1} (so the solve amplifies its coarser reading least).
-        pilot = None if single or j == 0 else int(np.argmax(np.sqrt(weight) / inv_norm))
+        # The pilot row: large in the earlier columns (so it reads this column's scale), a large
+        # |u^T v| and a small column of U^{-1} (so its coarser reading loses and costs the least).
+        pilot = None if single or j == 0 else int(np.argmax(np.sqrt(weight) * readable / inv_norm))
         G[:, j] = bilinear_measurements(oracle, U, e, known, scaler, max_chunk=chunk, progress=progress,
                                         design=design, pilot=pilot)
         norm = np.linalg.norm(G[:, j])

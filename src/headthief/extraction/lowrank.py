@@ -44,8 +44,8 @@ import scipy.linalg
 
 from ..errors import ConvergenceError, NotIdentifiable
 from ..oracles.base import Oracle
-from .probes import (Known, ProbeScaler, Progress, _invert, basis_design, chunk_for, linear_measurements,
-                     looks_float32, value_phase)
+from .probes import (Known, ProbeScaler, Progress, _invert, basis_design, chunk_for, gaussian_design,
+                     linear_measurements, looks_float32, value_phase)
 from .result import Extraction
 
 FLOAT32_OVERSAMPLE = 10
@@ -261,15 +261,6 @@ def _basis_solve(G: np.ndarray, sgn: np.ndarray, p: int) -> np.ndarray:
     return G - np.multiply.outer(sgn, G[p]) if G.ndim == 2 else G - sgn * G[p]
 
 
-def _left_rows(rng: np.random.Generator, n: int, v: np.ndarray) -> np.ndarray:
-    """Gaussian rows psi_i shifted along v so that ``|psi^T v| >= ||v||`` (readable attention weights)."""
-    P = rng.standard_normal((n, v.shape[0]))
-    vh = v / np.linalg.norm(v)
-    proj = P @ vh
-    P += np.where(proj >= 0, 1.0, -1.0)[:, None] * vh[None, :]
-    return P
-
-
 def extract_lowrank(
     oracle: Oracle,
     *,
@@ -401,7 +392,7 @@ def extract_lowrank(
     else:
         _, piv = scipy.linalg.qr(Om.T, mode="r", pivoting=True)
         S, Sc = np.sort(piv[:ell]), np.sort(piv[ell:])
-        Psi = _left_rows(rng, ell_a, v)
+        Psi = gaussian_design(rng, ell_a, v)
         Zc = np.empty((ell_a, d - ell))
         for i in range(ell_a):
             Zc[i] = _structured_measurements(oracle, side="left", dense=Psi[i], index=Sc, known=known,

@@ -337,6 +337,17 @@ def basis_design(v: np.ndarray, zero_tol: float = 1e-2) -> tuple[np.ndarray, int
     return U, p
 
 
+def gaussian_design(rng: np.random.Generator, n: int, v: np.ndarray) -> np.ndarray:
+    """n Gaussian probes ``u ~ N(0, I_d)``, each shifted by ``±v/||v||`` (the sign of its own ``u^T v``)
+    so that ``|u^T v| >= ||v||``: the attention weight read off a probe is divided by ``u^T v``, and an
+    unshifted Gaussian probe is now and then nearly orthogonal to v (``|u^T v| / (||u|| ||v||)`` of 3e-6
+    happens at d = 17), which costs that probe most of its digits."""
+    P = rng.standard_normal((n, v.shape[0]))
+    vh = v / np.linalg.norm(v)
+    P += np.where(P @ vh >= 0, 1.0, -1.0)[:, None] * vh[None, :]
+    return P
+
+
 def looks_float32(values: np.ndarray) -> bool:
     """True when every answer is exactly a float32 number: the black box computes in float32.
 
