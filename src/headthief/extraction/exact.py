@@ -12,8 +12,8 @@ Algorithm (paper, Section 4, proof of Theorem 4.1, extended to the biases of rea
 Query count: ``d^2 + d`` for the paper's model, ``d^2 + 2d + 1`` with biases, plus any re-asked
 saturated probes (reported as ``diagnostics["requeried"]``; none on well-scaled targets).
 
-Probe designs: ``"basis"`` is the paper's deterministic design (``u_l = e_l``, or ``e_l + e_p`` where
-``v_l = 0``); ``"gaussian"`` draws ``u_l ~ N(0, I_d)`` from ``rng``, each shifted by ``±v/||v||`` so that
+Probe designs: ``"basis"`` is the paper's deterministic design (``u_l = e_l``, or ``e_l ± e_p`` where
+``v_l = 0``, here also where ``|v_l| < |v_p| / 2`` so that ``|u_l^T v|`` stays large); ``"gaussian"`` draws ``u_l ~ N(0, I_d)`` from ``rng``, each shifted by ``±v/||v||`` so that
 ``|u_l^T v| >= ||v||`` (see :func:`~headthief.extraction.probes.gaussian_design`).
 """
 
@@ -78,9 +78,9 @@ def extract_exact(
     fixed = scales == "unit"
 
     c = np.zeros(d)
-    # Float64 answers have digits to spare, so their logits aim lower and the scale grows more slowly:
-    # headroom for an entry far larger than those seen so far, which would otherwise cost a re-ask.
-    # Float32 answers need logits of order 1 to keep their digits.
+    # Float64 answers have digits to spare, so their probe scale grows more slowly (and W's logits aim
+    # at 1/2, below): headroom for an entry far larger than those seen so far, which would otherwise
+    # cost a re-ask. Float32 answers need logits of order 1 and the default growth to keep their digits.
     roomy = {} if single else {"growth": 2.0}
     c_scaler = ProbeScaler(fixed=fixed, **roomy)
     if bias:
@@ -99,11 +99,11 @@ def extract_exact(
     for j in range(d):
         e[:] = 0.0
         e[j] = 1.0
-        # Float64 answers have digits to spare: open each new column with one low-scale pilot probe
-        # (the row that has carried the most of the earlier columns), so a column far larger than the
-        # ones before it sets the scale without any re-asked query. Float32 answers keep full scale.
-        # The pilot row: large in the earlier columns (so it reads this column's scale), a large
-        # |u^T v| and a small column of U^{-1} (so its coarser reading loses and costs the least).
+        # Float64 answers have digits to spare: open each new column with one low-scale pilot probe, so
+        # a column far larger than the ones before it (common for low-rank W) sets the scale without
+        # any re-asked query. Float32 answers keep full scale. The pilot row: large in the earlier
+        # columns (so it reads this column's scale), with a large |u^T v| and a small column of U^{-1}
+        # (so its coarser reading loses, and costs the solve, the least).
         pilot = None if single or j == 0 else int(np.argmax(np.sqrt(weight) * readable / inv_norm))
         G[:, j] = bilinear_measurements(oracle, U, e, known, scaler, max_chunk=chunk, progress=progress,
                                         design=design, pilot=pilot)
