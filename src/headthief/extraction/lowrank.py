@@ -44,8 +44,8 @@ import scipy.linalg
 
 from ..errors import ConvergenceError, NotIdentifiable
 from ..oracles.base import Oracle
-from .probes import (Known, ProbeScaler, Progress, _invert, basis_design, chunk_for, gaussian_design,
-                     linear_measurements, looks_float32, value_phase)
+from .probes import (AnswerPrecision, Known, ProbeScaler, Progress, _invert, basis_design, chunk_for,
+                     gaussian_design, linear_measurements, looks_float32, value_phase)
 from .result import Extraction
 
 FLOAT32_OVERSAMPLE = 10
@@ -80,33 +80,6 @@ def _sketch_sizes(d: int, r: int, k: int, auto: bool) -> tuple[int, int]:
         return ell, ell
     ell = min(d, r + 1) if auto else r
     return ell, r
-
-
-class _AnswerPrecision:
-    """Watches the oracle's answers: float32 if every answer seen is exactly a float32 number."""
-
-    def __init__(self):
-        self.seen = 0
-        self.float32 = True
-
-    def __call__(self, y: np.ndarray) -> None:
-        self.seen += y.size
-        if self.float32 and not self.of(y):
-            self.float32 = False
-
-    @staticmethod
-    def of(y: np.ndarray) -> bool:
-        """True when every value of ``y`` is exactly a float32 number."""
-        y = np.asarray(y, dtype=np.float64)
-        return bool(np.array_equal(y.astype(np.float32).astype(np.float64), y))
-
-    @property
-    def name(self) -> str:
-        return "float32" if (self.float32 and self.seen) else "float64"
-
-    @property
-    def unit_roundoff(self) -> float:
-        return 2.0 ** -24 if self.name == "float32" else 2.0 ** -53
 
 
 class _SketchRank:
@@ -173,7 +146,7 @@ class _SketchRank:
 
 def _structured_measurements(oracle: Oracle, *, side: str, dense: np.ndarray, index: np.ndarray,
                              known: Known, scaler: ProbeScaler, max_chunk: int, progress: Progress,
-                             watch: _AnswerPrecision, sgn: np.ndarray | None = None,
+                             watch: AnswerPrecision, sgn: np.ndarray | None = None,
                              pivot: int = 0) -> np.ndarray:
     """``g_k = u_k^T W b_k`` for structured probes, one two-row query each (a fast path of
     :func:`~headthief.extraction.probes.bilinear_measurements` with the same scaling, re-asks and
@@ -216,14 +189,7 @@ def _structured_measurements(oracle: Oracle, *, side: str, dense: np.ndarray, in
         for _attempt in range(scaler.max_retries + 1):
             k = start + todo
             kap = kappa[todo]
-            if scaler.fixed:
-                s = np.ones_like(kap)
-            else:   # the split of bilinear_measurements: s||u|| : lam||b|| = rho : 1, |s c^T u| <= Tc
-                s = np.sqrt(kap * norms[k] * scaler.rho) / unorm[k]
-                with np.errstate(divide="ignore"):
-                    cap = np.where(np.abs(uc[k]) > 0, scaler.Tc / np.abs(uc[k]), np.inf)
-                s = np.minimum(s, cap)
-            lam = kap / s
+            s, lam = scaler.split(kap, norms[k], unorm[k], uc[k])
             n = len(k)
             rows = np.arange(n)
             X = np.empty((n, 2, d))
@@ -331,7 +297,7 @@ def extract_lowrank(
     del U
     known = Known(v=v, c=c, beta=beta)
     scaler = ProbeScaler(fixed=fixed, T=logit)
-    watch = _AnswerPrecision()
+    watch = AnswerPrecision()
     every = np.arange(d)
     s0 = getattr(oracle, "seconds", None)
 

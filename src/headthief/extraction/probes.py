@@ -87,6 +87,20 @@ class ProbeScaler:
             return np.ones_like(norms)
         return self.level / norms
 
+    def split(self, kappa: np.ndarray, norms: np.ndarray, unorm: np.ndarray,
+              uc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Split ``kappa = s * lam`` into the two token scales of ``[s u + lam b; lam b]``:
+        ``s ||u|| : lam ||b|| = rho : 1`` (``norms = ||u|| ||b||``), with ``|s c^T u| <= Tc``.
+        Unit-scale (``fixed``) probes: ``s = 1``. Returns ``(s, lam)``."""
+        if self.fixed:
+            s = np.ones_like(kappa)
+        else:
+            s = np.sqrt(kappa * norms * self.rho) / unorm
+            with np.errstate(divide="ignore"):
+                cap = np.where(np.abs(uc) > 0, self.Tc / np.abs(uc), np.inf)
+            s = np.minimum(s, cap)
+        return s, kappa / s
+
     def reask(self, kappa: np.ndarray, todo: np.ndarray, bad: np.ndarray, t: np.ndarray,
               what: str = "probe") -> np.ndarray:
         """Count the saturated probes ``todo[bad]`` as re-asked and shrink their scales in ``kappa``:
@@ -210,16 +224,7 @@ def _measure_chunk(oracle, design, B, shared_b, idx, bnorm, bv, known, scaler, b
     for attempt in range(scaler.max_retries + 1):
         k = idx[todo]
         kap = kappa[todo]
-        if scaler.fixed:
-            s = np.ones_like(kap)
-        else:
-            # split kappa = s * lam: token scales s||u|| : lam||b|| = rho : 1, with |s c^T u| <= Tc
-            su = np.sqrt(kap * norms[todo] * scaler.rho)           # = s ||u||
-            s = su / unorm[k]
-            with np.errstate(divide="ignore"):
-                cap = np.where(np.abs(uc[k]) > 0, scaler.Tc / np.abs(uc[k]), np.inf)
-            s = np.minimum(s, cap)
-        lam = kap / s
+        s, lam = scaler.split(kap, norms[todo], unorm[k], uc[k])
         X = np.zeros((len(k), 2, U.shape[1]))
         if shared_b:
             nz = np.flatnonzero(B)
@@ -348,13 +353,40 @@ def gaussian_design(rng: np.random.Generator, n: int, v: np.ndarray) -> np.ndarr
     return P
 
 
+def all_float32(values: np.ndarray) -> bool:
+    """True when every value is exactly a float32 number."""
+    y = np.asarray(values, dtype=np.float64)
+    return bool(np.array_equal(y.astype(np.float32).astype(np.float64), y))
+
+
 def looks_float32(values: np.ndarray) -> bool:
     """True when every answer is exactly a float32 number: the black box computes in float32.
 
     (Answers of a float64 computation are almost never all float32-representable.)
     """
-    y = np.asarray(values, dtype=np.float64)
-    return bool(y.size >= 4 and np.all(y.astype(np.float32).astype(np.float64) == y))
+    return bool(np.size(values) >= 4 and all_float32(values))
+
+
+class AnswerPrecision:
+    """Watches the oracle's answers as they come: float32 if every answer seen is exactly a float32
+    number (decided from the answers, never from the target)."""
+
+    def __init__(self):
+        self.seen = 0
+        self.float32 = True
+
+    def __call__(self, y: np.ndarray) -> None:
+        self.seen += np.size(y)
+        if self.float32 and not all_float32(y):
+            self.float32 = False
+
+    @property
+    def name(self) -> str:
+        return "float32" if (self.float32 and self.seen) else "float64"
+
+    @property
+    def unit_roundoff(self) -> float:
+        return 2.0 ** -24 if self.name == "float32" else 2.0 ** -53
 
 
 def numerical_rank(W: np.ndarray, rtol: float) -> int:

@@ -40,9 +40,8 @@ import scipy.linalg
 
 from ..errors import NotIdentifiable
 from ..oracles.base import Oracle
-from .lowrank import _AnswerPrecision
-from .probes import (Known, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
-                     linear_measurements, value_phase)
+from .probes import (AnswerPrecision, Known, ProbeScaler, Progress, basis_design, bilinear_measurements,
+                     chunk_for, linear_measurements, value_phase)
 from .result import Extraction
 from .sensing_als import solve_als
 from .sensing_convex import CONVEX_MAX_D, check_convex_size, solve_nuclear
@@ -57,7 +56,7 @@ MAX_PROBE_BYTES = 4 * 2**30
 class _Watched:
     """Passes queries to the oracle and shows every answer to ``watch`` (counts stay on the oracle)."""
 
-    def __init__(self, oracle: Oracle, watch: _AnswerPrecision):
+    def __init__(self, oracle: Oracle, watch: AnswerPrecision):
         self.oracle = oracle
         self.d = oracle.d
         self.watch = watch
@@ -211,7 +210,7 @@ def extract_rop(
     scaler = ProbeScaler(fixed=fixed)
     rank_info: dict = {"rank_mode": "given" if rank is not None else "auto"}
     if rank is None:
-        watch = _AnswerPrecision()
+        watch = AnswerPrecision()
         q_before = oracle.queries
         rank, A0, B0, t0, tol = _detect_rank(_Watched(oracle, watch), known, scaler, rng, chunk=chunk,
                                              progress=progress, watch=watch)
