@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from headthief import ModelOracle
-from headthief.extraction.noisy import extract_noisy
-from headthief.extraction.noisy_paper import extract_noisy_paper
+from headthief.extraction.robust.noisy import extract_noisy
+from headthief.extraction.robust.noisy_paper import extract_noisy_paper
 from headthief.oracles import Tolerance
 from headthief.targets import resolve
 

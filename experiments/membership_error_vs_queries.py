@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from headthief import ModelOracle, random_head
-from headthief.extraction.membership import extract_membership
-from headthief.extraction.membership_paper import extract_membership_paper, paper_probe_norm
+from headthief.extraction.robust.membership import extract_membership
+from headthief.extraction.robust.membership_paper import extract_membership_paper, paper_probe_norm
 from headthief.extraction.result import direction_err
 from headthief.oracles import SignOnly
 

@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from headthief import ModelOracle, random_head
-from headthief.extraction.membership import extract_membership
-from headthief.extraction.membership_paper import (bisection_interval, bisection_steps, bisection_tau,
+from headthief.extraction.robust.membership import extract_membership
+from headthief.extraction.robust.membership_paper import (bisection_interval, bisection_steps, bisection_tau,
                                                    eps_v_required, extract_membership_paper,
                                                    paper_probe_norm, prescribed_sphere_queries,
                                                    sphere_constant, sphere_estimate)

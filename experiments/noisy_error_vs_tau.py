@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from headthief.extraction.noisy import extract_noisy
-from headthief.extraction.noisy_paper import extract_noisy_paper, theorem_W_bound
+from headthief.extraction.robust.noisy import extract_noisy
+from headthief.extraction.robust.noisy_paper import extract_noisy_paper, theorem_W_bound
 from headthief.oracles import Tolerance
 from headthief.targets import resolve
 

@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
-from headthief.extraction.noisy import extract_noisy
-from headthief.extraction.noisy_paper import L_CLIP, extract_noisy_paper, theorem_tolerance
+from headthief.extraction.robust.noisy import extract_noisy
+from headthief.extraction.robust.noisy_paper import L_CLIP, extract_noisy_paper, theorem_tolerance
 from headthief.oracles import Tolerance
 from headthief.targets import resolve
 

@@ -8,8 +8,8 @@ from hypothesis import assume, given, settings, strategies as st
 from headthief import (AttentionHead, BudgetExceeded, CallableOracle, ConvergenceError, InvalidQuery,
                        ModelOracle, NotIdentifiable, random_head)
 from headthief.cli import main
-from headthief.extraction.membership import extract_membership, householder_basis, membership_query_bound
-from headthief.extraction.membership_paper import (bisection_steps, eps_v_required, extract_membership_paper,
+from headthief.extraction.robust.membership import extract_membership, householder_basis, membership_query_bound
+from headthief.extraction.robust.membership_paper import (bisection_steps, eps_v_required, extract_membership_paper,
                                                    paper_probe_norm, paper_query_count,
                                                    prescribed_sphere_queries, sphere_constant, sphere_estimate)
 from headthief.extraction.result import direction_err

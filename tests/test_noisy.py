@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from headthief import AttentionHead, ConvergenceError, ModelOracle, NotIdentifiable, random_head
 from headthief.cli import main
-from headthief.extraction.noisy import extract_noisy, noisy_query_count
-from headthief.extraction.noisy_paper import (extract_noisy_paper, noisy_paper_query_count, theorem_tolerance,
+from headthief.extraction.robust.noisy import extract_noisy, noisy_query_count
+from headthief.extraction.robust.noisy_paper import (extract_noisy_paper, noisy_paper_query_count, theorem_tolerance,
                                               theorem_W_bound)
 from headthief.oracles import Tolerance
 from headthief.testing import check_recovery

@@ -14,7 +14,7 @@ import pytest
 
 from headthief.cli import main
 from headthief.errors import SpecError
-from headthief.extraction.exact import exact_query_count, extract_exact
+from headthief.extraction.single.exact import exact_query_count, extract_exact
 from headthief.models import minilm
 from headthief.targets import resolve
 from headthief.testing import check_recovery

@@ -8,9 +8,9 @@ import pytest
 from headthief import (AttentionHead, ConvergenceError, ModelOracle, extract_rop, random_head,
                        rop_query_count)
 from headthief.cli import main
-from headthief.extraction.rop import rop_measurement_count
-from headthief.extraction.sensing_als import solve_als
-from headthief.extraction.sensing_convex import CONVEX_MAX_D, solve_nuclear
+from headthief.extraction.single.rop import rop_measurement_count
+from headthief.extraction.single.sensing_als import solve_als
+from headthief.extraction.single.sensing_convex import CONVEX_MAX_D, solve_nuclear
 from headthief.testing import check_recovery
 
 

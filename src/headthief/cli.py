@@ -36,13 +36,13 @@ class Method:
 
 
 def _run_exact(oracle, target, args, progress):
-    from .extraction.exact import extract_exact
+    from .extraction.single.exact import extract_exact
     return extract_exact(oracle, probes=args.probes, bias=target.bias, scales=args.scales,
                          rng=np.random.default_rng(args.seed), progress=progress)
 
 
 def _expected_exact(target, args):
-    from .extraction.exact import exact_query_count
+    from .extraction.single.exact import exact_query_count
     return exact_query_count(target.d, bias=target.bias)
 
 
@@ -60,7 +60,7 @@ def _noisy_settings(target, args, *, need: bool):
 
 
 def _run_noisy_paper(oracle, target, args, progress):
-    from .extraction.noisy_paper import extract_noisy_paper
+    from .extraction.robust.noisy_paper import extract_noisy_paper
     if target.bias:
         raise SpecError("noisy-paper is Theorem 6.1 for the paper's model (no biases); use --method noisy")
     W_bound, mu = _noisy_settings(target, args, need=True)
@@ -68,19 +68,19 @@ def _run_noisy_paper(oracle, target, args, progress):
 
 
 def _expected_noisy_paper(target, args):
-    from .extraction.noisy_paper import noisy_paper_query_count
+    from .extraction.robust.noisy_paper import noisy_paper_query_count
     return noisy_paper_query_count(target.d)
 
 
 def _run_noisy(oracle, target, args, progress):
-    from .extraction.noisy import extract_noisy
+    from .extraction.robust.noisy import extract_noisy
     W_bound, _ = _noisy_settings(target, args, need=False)
     return extract_noisy(oracle, tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
                          extra=args.extra_probes, rng=np.random.default_rng(args.seed), progress=progress)
 
 
 def _expected_noisy(target, args):
-    from .extraction.noisy import noisy_query_count
+    from .extraction.robust.noisy import noisy_query_count
     return noisy_query_count(target.d, bias=target.bias, extra=args.extra_probes)
 
 
@@ -98,7 +98,7 @@ def _membership_paper_settings(target, args):
 
 
 def _run_membership_paper(oracle, target, args, progress):
-    from .extraction.membership_paper import extract_membership_paper
+    from .extraction.robust.membership_paper import extract_membership_paper
     if target.bias:
         raise SpecError("membership-paper is Theorem B.1 for the paper's model (no biases); use --method membership")
     W_bound, mu = _membership_paper_settings(target, args)
@@ -108,7 +108,7 @@ def _run_membership_paper(oracle, target, args, progress):
 
 
 def _expected_membership_paper(target, args):
-    from .extraction.membership_paper import paper_query_count
+    from .extraction.robust.membership_paper import paper_query_count
     try:
         W_bound, mu = _membership_paper_settings(target, args)
     except SpecError:
@@ -124,13 +124,13 @@ def _membership_bias(target, args) -> bool:
 
 
 def _run_membership(oracle, target, args, progress):
-    from .extraction.membership import extract_membership
+    from .extraction.robust.membership import extract_membership
     return extract_membership(oracle, bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
                               progress=progress)
 
 
 def _expected_membership(target, args):
-    from .extraction.membership import membership_query_bound
+    from .extraction.robust.membership import membership_query_bound
     return membership_query_bound(target.d, bias=_membership_bias(target, args))
 
 
@@ -145,13 +145,13 @@ def _rank_arg(args) -> int | None:
 
 
 def _run_lowrank(oracle, target, args, progress):
-    from .extraction.lowrank import extract_lowrank
+    from .extraction.single.lowrank import extract_lowrank
     return extract_lowrank(oracle, rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
                            scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
 
 
 def _expected_lowrank(target, args):
-    from .extraction.lowrank import lowrank_query_count
+    from .extraction.single.lowrank import lowrank_query_count
     r = _rank_arg(args)
     if r is None or not 1 <= r <= target.d or (args.oversample is not None and args.oversample < 0):
         return None     # rank auto: not known in advance (bad settings: the method says why)
@@ -159,14 +159,14 @@ def _expected_lowrank(target, args):
 
 
 def _run_rop(oracle, target, args, progress):
-    from .extraction.rop import extract_rop
+    from .extraction.single.rop import extract_rop
     return extract_rop(oracle, rank=_rank_arg(args), measurements=args.measurements,
                        oversampling=args.oversampling, solver=args.solver, bias=target.bias,
                        scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
 
 
 def _expected_rop(target, args):
-    from .extraction.rop import rop_query_count
+    from .extraction.single.rop import rop_query_count
     r = _rank_arg(args)
     if r is None or not 1 <= r <= target.d:
         return None

@@ -8,7 +8,7 @@ oracle and keeps one bit of each answer. An output of exactly 0 reads as 0, as i
 What it leaves identifiable: the sign of ``f`` does not change when v and the output bias beta are
 multiplied by the same positive number, so only their direction is identifiable; W and the score bias
 c enter only through the attention weights, which do not depend on that scale, so they remain
-identifiable exactly (see :mod:`headthief.extraction.membership`).
+identifiable exactly (see :mod:`headthief.extraction.robust.membership`).
 
 Composition: ``SignOnly(ModelOracle(head, input_norm=1.0))`` or
 ``SignOnly(Tolerance(ModelOracle(head), tau=1e-4))``; the wrapper inherits the inner oracle's

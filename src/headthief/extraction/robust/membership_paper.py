@@ -54,10 +54,10 @@ import time
 import numpy as np
 from scipy.special import expit, gammaln
 
-from ..errors import InvalidQuery, NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import Progress, chunk_for, logit
-from .result import Extraction
+from ...errors import InvalidQuery, NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import Progress, chunk_for, logit
+from ..result import Extraction
 
 SIGMA_HALF = float(expit(0.5))
 #: Lipschitz constant of logit on [sigma(-1/2), sigma(1/2)] (the paper's L < 5)

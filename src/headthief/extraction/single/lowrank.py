@@ -42,11 +42,11 @@ import time
 import numpy as np
 import scipy.linalg
 
-from ..errors import ConvergenceError, NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import (AnswerPrecision, Known, ProbeScaler, Progress, _invert, basis_design, chunk_for,
+from ...errors import ConvergenceError, NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import (AnswerPrecision, Known, ProbeScaler, Progress, _invert, basis_design, chunk_for,
                      gaussian_design, linear_measurements, looks_float32, value_phase)
-from .result import Extraction
+from ..result import Extraction
 
 FLOAT32_OVERSAMPLE = 10
 """Extra sketch columns and rows used when the oracle's answers are float32 (``oversample=None``)."""

@@ -24,10 +24,10 @@ import time
 import numpy as np
 import scipy.linalg
 
-from ..oracles.base import Oracle
-from .probes import (Known, ProbeDesign, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
+from ...oracles.base import Oracle
+from ..probes import (Known, ProbeDesign, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
                      gaussian_design, linear_measurements, looks_float32, numerical_rank, value_phase)
-from .result import Extraction
+from ..result import Extraction
 
 
 def exact_query_count(d: int, *, bias: bool = False) -> int:

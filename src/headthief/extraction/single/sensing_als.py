@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConvergenceError
+from ...errors import ConvergenceError
 
 
 @dataclass(frozen=True)

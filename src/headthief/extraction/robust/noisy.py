@@ -1,7 +1,7 @@
 """Our estimator for answers within +-tau under an input-norm bound R (Section 6's setting).
 
 Same oracle, same bound ``||x_i|| <= R`` and the same ``d + d^2`` queries as Theorem 6.1
-(:mod:`~headthief.extraction.noisy_paper`); far smaller errors, because the probes are chosen to
+(:mod:`~headthief.extraction.robust.noisy_paper`); far smaller errors, because the probes are chosen to
 minimise the error amplification of the sigmoid inversion instead of being fixed from the worst case.
 
 Why the paper's probes lose signal. A two-row probe ``[x1; x2]`` answers
@@ -57,10 +57,10 @@ import numpy as np
 import scipy.linalg
 from scipy.special import expit
 
-from ..errors import ConvergenceError, NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import Progress, chunk_for, logit
-from .result import Extraction
+from ...errors import ConvergenceError, NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import Progress, chunk_for, logit
+from ..result import Extraction
 
 SQRT1_2 = np.sqrt(0.5)
 

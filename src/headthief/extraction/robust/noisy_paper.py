@@ -46,10 +46,10 @@ import time
 
 import numpy as np
 
-from ..errors import NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import Progress, chunk_for, logit
-from .result import Extraction
+from ...errors import NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import Progress, chunk_for, logit
+from ..result import Extraction
 
 A = 0.5                                   # the paper's a
 TAU_CLIP = 1.0 / (1.0 + np.exp(0.5))      # sigma(-1/2)

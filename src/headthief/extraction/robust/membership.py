@@ -64,10 +64,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConvergenceError, NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import Progress, chunk_for, logit
-from .result import Extraction
+from ...errors import ConvergenceError, NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import Progress, chunk_for, logit
+from ..result import Extraction
 
 
 def membership_query_bound(d: int, *, bias: bool = False, tol: float = 1e-12, coarse_steps: int = 8) -> int:

@@ -38,11 +38,11 @@ import time
 import numpy as np
 import scipy.linalg
 
-from ..errors import NotIdentifiable
-from ..oracles.base import Oracle
-from .probes import (AnswerPrecision, Known, ProbeScaler, Progress, basis_design, bilinear_measurements,
+from ...errors import NotIdentifiable
+from ...oracles.base import Oracle
+from ..probes import (AnswerPrecision, Known, ProbeScaler, Progress, basis_design, bilinear_measurements,
                      chunk_for, linear_measurements, value_phase)
-from .result import Extraction
+from ..result import Extraction
 from .sensing_als import solve_als
 from .sensing_convex import CONVEX_MAX_D, check_convex_size, solve_nuclear
 

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import ConvergenceError
+from ...errors import ConvergenceError
 from .sensing_als import as_measurements
 
 CONVEX_MAX_D = 60
