@@ -77,11 +77,7 @@ class Extraction:
         Sequences have Gaussian entries and lengths 1..``max_len`` (tokens are rescaled to the oracle's
         input-norm bound, if it has one). Only the queries made here are counted in the result.
         """
-        rng = np.random.default_rng(rng)
-        lengths = rng.integers(1, max_len + 1, size=n)
-        batch = [rng.standard_normal((int(L), self.d)) for L in lengths]
-        if oracle.input_norm is not None:
-            batch = [x * (0.999 * oracle.input_norm / max(np.linalg.norm(x, axis=1).max(), 1e-300)) for x in batch]
+        batch = random_sequences(self.d, n, rng=rng, max_len=max_len, input_norm=oracle.input_norm)
         before = oracle.queries
         y_true = oracle.query(batch)
         spent = oracle.queries - before
@@ -127,6 +123,18 @@ class Extraction:
         if self.beta is not None:
             arrays["beta"] = np.float64(self.beta)
         np.savez(path, **arrays)
+
+
+def random_sequences(d: int, n: int, *, rng: np.random.Generator | int = 0, max_len: int = 32,
+                     input_norm: float | None = None) -> list[np.ndarray]:
+    """``n`` random sequences: Gaussian entries, lengths 1..``max_len``; with ``input_norm`` every
+    sequence is rescaled so that its largest token has norm ``0.999 * input_norm``."""
+    rng = np.random.default_rng(rng)
+    lengths = rng.integers(1, max_len + 1, size=n)
+    batch = [rng.standard_normal((int(L), d)) for L in lengths]
+    if input_norm is not None:
+        batch = [x * (0.999 * input_norm / max(np.linalg.norm(x, axis=1).max(), 1e-300)) for x in batch]
+    return batch
 
 
 def rel_err(est: np.ndarray, true: np.ndarray) -> float:
