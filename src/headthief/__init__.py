@@ -5,7 +5,7 @@ Implements and extends Bhattamishra, Shah, Hahn, Kanade, "Provably Learning Atte
 inside the functions that need them.
 """
 
-from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
+from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
                      OracleError, SpecError)
 from .extraction import Extraction, Fidelity, exact_query_count, extract_exact
 from .extraction import extract_membership, extract_membership_paper
@@ -26,5 +26,5 @@ __all__ = [
     "extract_lowrank", "lowrank_query_count", "extract_rop", "rop_query_count",
     "Tolerance", "extract_noisy", "extract_noisy_paper",
     "HeadthiefError", "BudgetExceeded", "NotIdentifiable", "InvalidQuery", "OracleError",
-    "ConvergenceError", "SpecError",
+    "ConvergenceError", "SpecError", "ModelMismatch",
 ]

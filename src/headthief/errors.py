@@ -44,3 +44,25 @@ class ConvergenceError(HeadthiefError):
 
 class SpecError(HeadthiefError, ValueError):
     """A target spec or command-line setting is malformed."""
+
+
+class ModelMismatch(HeadthiefError):
+    """The target does not behave like the model class the extraction assumed.
+
+    Raised by the model check (:mod:`headthief.extraction.check`) either early, when an identity the
+    assumed class implies fails on a few queries, or at the end, when the recovered model's fidelity on
+    fresh sequences is worse than the answers' precision explains.
+
+    Attributes:
+        check: the identity or check that failed (e.g. ``"one-token affinity"``, ``"fidelity"``).
+        figure: the measured figure, and ``threshold`` the largest the assumed class allows.
+        hint: what the target might be instead.
+    """
+
+    def __init__(self, message: str, *, check: str = "", figure: float | None = None,
+                 threshold: float | None = None, hint: str = ""):
+        self.check = check
+        self.figure = figure
+        self.threshold = threshold
+        self.hint = hint
+        super().__init__(message)
