@@ -9,7 +9,7 @@
 
 All three have score and output biases (``Target.bias`` is True). Their truth, used only to measure
 errors, is the numpy mapping of the weights; the oracles never hand the weights to the extraction.
-Registered into :data:`headthief.targets.TARGET_KINDS` when :mod:`headthief.targets` is imported;
+Registered into :data:`headthief.targets.base.TARGET_KINDS` when :mod:`headthief.targets` is imported;
 safetensors, torch and transformers are imported only when a target is built.
 """
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import SpecError
-from .targets import Target, TargetKind, _check_keys, _int, register
+from ..errors import SpecError
+from .base import Target, TargetKind, _check_keys, _int, register
 
 
 def _layer_head(kind: str, opts: dict[str, str]) -> tuple[int, int, int]:
-    from .models.minilm import N_HEADS, N_LAYERS
+    from ..models.minilm import N_HEADS, N_LAYERS
     _check_keys(kind, opts, {"layer", "head", "readout"})
     layer = _int(opts, "layer", lo=0)
     head = _int(opts, "head", lo=0)
@@ -34,7 +34,7 @@ def _layer_head(kind: str, opts: dict[str, str]) -> tuple[int, int, int]:
 
 
 def _minilm_info(layer: int, head: int, readout: int, **extra) -> dict[str, Any]:
-    from .models.minilm import D_HEAD, MODEL_NAME
+    from ..models.minilm import D_HEAD, MODEL_NAME
     return {"model": MODEL_NAME, "layer": layer, "head": head, "readout": readout, "true_rank": D_HEAD,
             **extra}
 
@@ -42,8 +42,8 @@ def _minilm_info(layer: int, head: int, readout: int, **extra) -> dict[str, Any]
 def _build_minilm(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 
-    from .models.minilm import D_MODEL, minilm_head, minilm_truth
-    from .oracles.base import ModelOracle
+    from ..models.minilm import D_MODEL, minilm_head, minilm_truth
+    from ..oracles.base import ModelOracle
     layer, head, readout = _layer_head("minilm", opts)
     try:
         model = minilm_head(layer, head, readout=readout, dtype=np.float32)
@@ -56,8 +56,8 @@ def _build_minilm(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Targe
 
 
 def _build_minilm_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
-    from .models.minilm import D_MODEL, minilm_truth
-    from .models.torch_modules import TorchOracle, minilm_hf_forward
+    from ..models.minilm import D_MODEL, minilm_truth
+    from ..models.torch_modules import TorchOracle, minilm_hf_forward
     layer, head, readout = _layer_head("minilm-hf", opts)
     try:
         forward = minilm_hf_forward(layer, head, readout=readout)
@@ -71,7 +71,7 @@ def _build_minilm_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Ta
 
 
 def _build_torch_mha(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
-    from .models.torch_modules import TorchOracle, torch_mha, torch_mha_forward, torch_mha_truth
+    from ..models.torch_modules import TorchOracle, torch_mha, torch_mha_forward, torch_mha_truth
     _check_keys("torch-mha", opts, {"d", "seed", "readout"})
     d = _int(opts, "d", lo=1)
     seed = _int(opts, "seed", 0, lo=0)

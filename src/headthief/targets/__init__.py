@@ -8,90 +8,15 @@ measuring errors). ``headthief targets`` lists them.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
-from .models.attention import AttentionHead, random_head
-from .oracles.base import CallableOracle, ModelOracle, Oracle
-
-
-@dataclass
-class Target:
-    """A resolved target: ``make_oracle(**oracle_kw)`` builds a fresh oracle on the black box.
-
-    ``truth`` holds the true parameters where they are known (None for a user's black box); ``bias``
-    says whether the target may have the score/output biases; ``info`` is printed with the results.
-    """
-
-    spec: str
-    d: int
-    bias: bool
-    make_oracle: Callable[..., Oracle]
-    truth: AttentionHead | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TargetKind:
-    name: str
-    syntax: str
-    description: str
-    build: Callable[[str, dict[str, str], dict[str, Any]], Target]
-
-
-TARGET_KINDS: dict[str, TargetKind] = {}
-
-
-def register(kind: TargetKind) -> None:
-    TARGET_KINDS[kind.name] = kind
-
-
-def parse_options(text: str) -> dict[str, str]:
-    opts: dict[str, str] = {}
-    if not text:
-        return opts
-    for part in text.split(","):
-        if not part:
-            continue
-        if "=" not in part:
-            raise SpecError(f"target option {part!r} is not key=value")
-        k, v = part.split("=", 1)
-        opts[k.strip()] = v.strip()
-    return opts
-
-
-def _int(opts, key, default=None, *, lo=None):
-    if key not in opts:
-        if default is None:
-            raise SpecError(f"target option {key}= is required")
-        return default
-    try:
-        val = int(opts[key])
-    except ValueError:
-        raise SpecError(f"target option {key}={opts[key]!r} is not an integer") from None
-    if lo is not None and val < lo:
-        raise SpecError(f"target option {key}={val} must be >= {lo}")
-    return val
-
-
-def _float(opts, key, default):
-    if key not in opts:
-        return default
-    try:
-        return float(opts[key])
-    except ValueError:
-        raise SpecError(f"target option {key}={opts[key]!r} is not a number") from None
-
-
-def _check_keys(kind: str, opts: dict, allowed: set[str]) -> None:
-    extra = set(opts) - allowed
-    if extra:
-        raise SpecError(f"unknown option(s) for {kind}: target: {', '.join(sorted(extra))} "
-                        f"(allowed: {', '.join(sorted(allowed))})")
+from ..errors import SpecError
+from ..models.attention import random_head
+from ..oracles.base import CallableOracle, ModelOracle
+from .base import TARGET_KINDS, Target, TargetKind, _check_keys, _float, _int, parse_options, register
 
 
 def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
@@ -172,4 +97,4 @@ def describe() -> list[tuple[str, str]]:
 
 
 # Target kinds on real models (minilm:, minilm-hf:, torch-mha:); they register themselves on import.
-from . import real_targets  # noqa: E402,F401
+from . import real  # noqa: E402,F401

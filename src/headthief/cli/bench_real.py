@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import HeadthiefError
+from ..errors import HeadthiefError
 
 COLUMNS = ["target", "method", "layer", "head", "rank", "queries", "W_rel_err", "c_rel_err", "v_rel_err",
            "beta_abs_err", "fidelity_max_rel_err", "seconds"]
@@ -67,14 +67,17 @@ def _num(x):
 
 def extract_row(spec: str, method: str, args: argparse.Namespace) -> dict:
     """Run ``method`` on ``spec`` the way ``headthief extract`` does; return one table row."""
-    from .cli import METHODS, build_parser
-    from .targets import resolve
+    from ..methods import METHODS
+    from ..targets import resolve
+    from .extract import add_arguments
     if method not in METHODS:
         raise HeadthiefError(f"method {method!r} is not available (known: {', '.join(METHODS)})")
     argv = ["extract", "--target", spec, "--method", method, "--seed", str(args.seed), "--rank", str(args.rank)]
     if args.oversample is not None:
         argv += ["--oversample", str(args.oversample)]
-    ex_args = build_parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="headthief extract")
+    add_arguments(parser)
+    ex_args = parser.parse_args(argv[1:])
     target = resolve(spec)
     res = METHODS[method].run(target.make_oracle(), target, ex_args, None)
     errs = res.errors(target.truth)
@@ -140,14 +143,14 @@ def _torch_available() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .models.minilm import N_HEADS, N_LAYERS
+    from ..models.minilm import N_HEADS, N_LAYERS
     try:
         layers = _index_list(args.layers, N_LAYERS, "layers")
         heads = _index_list(args.heads, N_HEADS, "heads")
     except argparse.ArgumentTypeError as e:
         print(f"headthief: {e}", file=sys.stderr)
         return 2
-    from .cli import METHODS
+    from ..methods import METHODS
     if args.method not in METHODS:
         print(f"headthief: unknown method {args.method!r} (known: {', '.join(METHODS)})", file=sys.stderr)
         return 2

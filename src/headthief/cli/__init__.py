@@ -1,0 +1,57 @@
+"""Command line: ``headthief extract``, ``headthief targets``.
+
+Exit codes: 0 done; 2 not identifiable or bad input (one line on stderr); 3 query budget exceeded
+(stderr says how many queries were spent); 4 the oracle failed or a bounded procedure did not
+converge; 130 interrupted (the transcript, if one was asked for, is saved first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..targets import describe
+from .extract import add_arguments, cmd_extract
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headthief", description="Recover attention-head parameters from black-box queries.")
+    p.add_argument("--version", action="version", version=f"headthief {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("extract", help="extract a head from a target and report errors and cost")
+    add_arguments(e)
+
+    sub.add_parser("targets", help="list the available target kinds")
+
+    b = sub.add_parser("bench", help="run a benchmark job and print its table")
+    jobs = b.add_subparsers(dest="job", required=True)
+    from . import bench_real
+    bench_real.add_arguments(jobs.add_parser(
+        "real", help="extract all 72 heads of all-MiniLM-L6-v2 (and one head per black-box module)"))
+    return p
+
+
+def cmd_targets(args) -> int:
+    rows = describe()
+    width = max(len(s) for s, _ in rows)
+    for syntax, desc in rows:
+        print(f"{syntax:<{width}}  {desc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "extract":
+        return cmd_extract(args)
+    if args.command == "targets":
+        return cmd_targets(args)
+    if args.command == "bench" and args.job == "real":
+        from . import bench_real
+        return bench_real.run(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The methods the command line offers: a registry of (run, expected query count, help), and the oracle
+stack that the threat-model flags ask for. The CLI commands (extract, bench) read it; it reads the
+extraction and oracle packages (imports run one way: cli -> methods -> extraction -> oracles)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .errors import SpecError
+from .extraction.result import Extraction
+from .oracles.base import Oracle
+from .targets import Target
+
+
+@dataclass(frozen=True)
+class Method:
+    """A CLI method: ``run(oracle, target, args, progress) -> Extraction``; ``expected`` gives the
+    planned query count (for the progress bar), or None when it is not known in advance."""
+
+    run: Callable[..., Extraction]
+    expected: Callable[[Target, argparse.Namespace], int | None]
+    help: str
+
+
+def _run_exact(oracle, target, args, progress):
+    from .extraction.single.exact import extract_exact
+    return extract_exact(oracle, probes=args.probes, bias=target.bias, scales=args.scales,
+                         rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_exact(target, args):
+    from .extraction.single.exact import exact_query_count
+    return exact_query_count(target.d, bias=target.bias)
+
+
+def _noisy_settings(target, args, *, need: bool):
+    """W bound and margin for the noisy methods: --W-bound / --mu, else the target spec's W_norm / v_min."""
+    W_bound = args.W_bound if args.W_bound is not None else target.info.get("W_norm")
+    mu = args.mu if args.mu is not None else target.info.get("v_min")
+    if need and W_bound is None:
+        raise SpecError(f"--method {args.method} needs --W-bound W (the known bound on ||W||_F, W >= 2); "
+                        "random: targets with W_norm= set it")
+    if need and mu is None:
+        raise SpecError(f"--method {args.method} needs --mu M (the margin: every non-zero |v_i| >= M); "
+                        "random: targets with v_min= set it")
+    return W_bound, mu
+
+
+def _run_noisy_paper(oracle, target, args, progress):
+    from .extraction.robust.noisy_paper import extract_noisy_paper
+    if target.bias:
+        raise SpecError("noisy-paper is Theorem 6.1 for the paper's model (no biases); use --method noisy")
+    W_bound, mu = _noisy_settings(target, args, need=True)
+    return extract_noisy_paper(oracle, W_bound=W_bound, mu=mu, progress=progress)
+
+
+def _expected_noisy_paper(target, args):
+    from .extraction.robust.noisy_paper import noisy_paper_query_count
+    return noisy_paper_query_count(target.d)
+
+
+def _run_noisy(oracle, target, args, progress):
+    from .extraction.robust.noisy import extract_noisy
+    W_bound, _ = _noisy_settings(target, args, need=False)
+    return extract_noisy(oracle, tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
+                         extra=args.extra_probes, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_noisy(target, args):
+    from .extraction.robust.noisy import noisy_query_count
+    return noisy_query_count(target.d, bias=target.bias, extra=args.extra_probes)
+
+
+def _membership_paper_settings(target, args):
+    """Theorem B.1's known constants: --W-bound / --mu, else the random: spec's W_norm and v_min / v_norm."""
+    W_bound = args.W_bound if getattr(args, "W_bound", None) is not None else target.info.get("W_norm")
+    mu = getattr(args, "mu", None)
+    if mu is None and target.info.get("v_min") is not None:
+        mu = target.info["v_min"] / target.info.get("v_norm", 1.0)   # the theorem normalises ||v|| = 1
+    if W_bound is None or mu is None:
+        raise SpecError("--method membership-paper needs Theorem B.1's known constants: --W-bound W (>= 2, "
+                        "a bound on ||W||_F) and --mu M (min |v_i| / ||v||); random: targets with W_norm=, "
+                        "v_min= (and v_norm=) set them")
+    return max(2.0, float(W_bound)), float(mu)
+
+
+def _run_membership_paper(oracle, target, args, progress):
+    from .extraction.robust.membership_paper import extract_membership_paper
+    if target.bias:
+        raise SpecError("membership-paper is Theorem B.1 for the paper's model (no biases); use --method membership")
+    W_bound, mu = _membership_paper_settings(target, args)
+    k = args.sphere_queries if args.sphere_queries is not None else 64 * target.d ** 2
+    return extract_membership_paper(oracle, W_bound=W_bound, mu=mu, eps_W=args.eps_W, k=k,
+                                    rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_membership_paper(target, args):
+    from .extraction.robust.membership_paper import paper_query_count
+    try:
+        W_bound, mu = _membership_paper_settings(target, args)
+    except SpecError:
+        return None
+    k = args.sphere_queries if args.sphere_queries is not None else 64 * target.d ** 2
+    return paper_query_count(target.d, k, args.eps_W, mu, W_bound)
+
+
+def _membership_bias(target, args) -> bool:
+    # a rounding API read through its sign answers [f > 0.5 * 10**-K]: an output-bias shift, so the
+    # biased variant (which recovers the threshold) is used
+    return bool(target.bias or (args.noise_mode or "").startswith("round:"))
+
+
+def _run_membership(oracle, target, args, progress):
+    from .extraction.robust.membership import extract_membership
+    return extract_membership(oracle, bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
+                              progress=progress)
+
+
+def _expected_membership(target, args):
+    from .extraction.robust.membership import membership_query_bound
+    return membership_query_bound(target.d, bias=_membership_bias(target, args))
+
+
+def _rank_arg(args) -> int | None:
+    """--rank for lowrank/rop: an integer, or None for 'auto'."""
+    if args.rank is None or str(args.rank).strip().lower() == "auto":
+        return None
+    try:
+        return int(args.rank)
+    except ValueError:
+        raise SpecError(f"--rank must be an integer or 'auto', got {args.rank!r}") from None
+
+
+def _run_lowrank(oracle, target, args, progress):
+    from .extraction.single.lowrank import extract_lowrank
+    return extract_lowrank(oracle, rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
+                           scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_lowrank(target, args):
+    from .extraction.single.lowrank import lowrank_query_count
+    r = _rank_arg(args)
+    if r is None or not 1 <= r <= target.d or (args.oversample is not None and args.oversample < 0):
+        return None     # rank auto: not known in advance (bad settings: the method says why)
+    return lowrank_query_count(target.d, r, bias=target.bias, oversample=args.oversample or 0)
+
+
+def _run_rop(oracle, target, args, progress):
+    from .extraction.single.rop import extract_rop
+    return extract_rop(oracle, rank=_rank_arg(args), measurements=args.measurements,
+                       oversampling=args.oversampling, solver=args.solver, bias=target.bias,
+                       scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
+
+
+def _expected_rop(target, args):
+    from .extraction.single.rop import rop_query_count
+    r = _rank_arg(args)
+    if r is None or not 1 <= r <= target.d:
+        return None
+    try:
+        return rop_query_count(target.d, r, measurements=args.measurements, oversampling=args.oversampling,
+                               solver=args.solver, bias=target.bias)
+    except ValueError:
+        return None
+
+
+METHODS: dict[str, Method] = {
+    "exact": Method(_run_exact, _expected_exact,
+                    "Theorem 4.1: d^2 + d queries (d^2 + 2d + 1 with biases), exact recovery"),
+    "lowrank": Method(_run_lowrank, _expected_lowrank,
+                      "adaptive sketches W B, A^T W: d + r(2d - r) queries for rank r (--rank R|auto, "
+                      "--oversample K)"),
+    "rop": Method(_run_rop, _expected_rop,
+                  "Theorem 5.1: d + m Gaussian rank-one measurements (--rank R, --solver als|convex, "
+                  "--measurements M or --oversampling C)"),
+    "noisy-paper": Method(_run_noisy_paper, _expected_noisy_paper,
+                          "Theorem 6.1 as stated: d + d^2 queries, answers within +-tau (needs --W-bound, --mu)"),
+    "noisy": Method(_run_noisy, _expected_noisy,
+                    "answers within +-tau: probes chosen for the sigmoid inversion, d + d^2 queries"),
+    "membership-paper": Method(_run_membership_paper, _expected_membership_paper,
+                               "Theorem B.1 as stated: sign-only answers, k sphere queries for v + d^2 "
+                               "bisections (needs --W-bound, --mu; its probes need --input-norm > 1)"),
+    "membership": Method(_run_membership, _expected_membership,
+                         "sign-only answers: bisection for v's direction and every W entry, about 42 (d^2 + d) queries"),
+}
+
+
+# Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is
+# what keeps additive noise from being made negligible just by scaling the inputs up (Section 6).
+NORM_BOUND_METHODS = {"noisy-paper", "noisy", "membership-paper", "membership"}
+# Methods that read only the sign of each answer: --sign-only is implied for them.
+SIGN_ONLY_METHODS = {"membership-paper", "membership"}
+
+
+def input_norm_for(args) -> float | None:
+    """The input-norm bound R: ``--input-norm``, else 1 for the noisy/membership methods, else none."""
+    if args.input_norm is not None:
+        if not (math.isfinite(args.input_norm) and args.input_norm > 0):
+            raise SpecError(f"--input-norm must be a positive number, got {args.input_norm}")
+        return float(args.input_norm)
+    return 1.0 if args.method in NORM_BOUND_METHODS else None
+
+
+def noise_tau(args) -> float:
+    """The tolerance the oracle's answers have: ``--noise``, or ``0.5 * 10**-K`` for round:K, else 0."""
+    from .oracles.tolerance import parse_mode, round_tolerance
+    if args.noise_mode is not None:
+        kind, K = parse_mode(args.noise_mode)
+        if kind == "round":
+            return round_tolerance(K)
+    return float(args.noise) if args.noise is not None else 0.0
+
+
+def build_oracle(target: Target, args, **oracle_kw) -> Oracle:
+    """The oracle stack the flags ask for, innermost first.
+
+    1. the target's oracle, with the budget, transcript and the input-norm bound R (``--input-norm``);
+    2. ``Tolerance`` (``--noise TAU --noise-mode MODE``; ``--noise-mode round:K`` alone implies TAU);
+    3. ``SignOnly`` (``--sign-only``), outermost.
+    """
+    from .oracles.tolerance import Tolerance, parse_mode
+    oracle = target.make_oracle(input_norm=input_norm_for(args), **oracle_kw)
+    if args.noise is not None and not (math.isfinite(args.noise) and args.noise >= 0):
+        raise SpecError(f"--noise must be a number >= 0, got {args.noise}")
+    if args.noise_mode is not None:
+        kind, _ = parse_mode(args.noise_mode)
+        if kind != "round" and args.noise is None:
+            raise SpecError(f"--noise-mode {args.noise_mode} needs --noise TAU")
+        oracle = Tolerance(oracle, args.noise, args.noise_mode)
+    elif args.noise is not None:
+        oracle = Tolerance(oracle, args.noise, "adversarial")
+    if args.sign_only or args.method in SIGN_ONLY_METHODS:  # Appendix B's membership oracle, outermost
+        if args.method not in SIGN_ONLY_METHODS:
+            raise SpecError(f"--sign-only: the oracle answers only 0/1, which --method {args.method} cannot use; "
+                            f"use --method {' or '.join(sorted(SIGN_ONLY_METHODS))}")
+        from .oracles.sign_only import SignOnly
+        oracle = SignOnly(oracle)
+    return oracle

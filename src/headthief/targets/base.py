@@ -1,0 +1,84 @@
+"""Target specs: the pieces every target kind shares (Target, TargetKind, the registry, option parsing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import SpecError
+from ..oracles.base import Oracle
+
+
+@dataclass
+class Target:
+    """A resolved target: ``make_oracle(**oracle_kw)`` builds a fresh oracle on the black box.
+
+    ``truth`` holds the true parameters where they are known (None for a user's black box); ``bias``
+    says whether the target may have the score/output biases; ``info`` is printed with the results.
+    """
+
+    spec: str
+    d: int
+    bias: bool
+    make_oracle: Callable[..., Oracle]
+    truth: AttentionHead | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    name: str
+    syntax: str
+    description: str
+    build: Callable[[str, dict[str, str], dict[str, Any]], Target]
+
+
+TARGET_KINDS: dict[str, TargetKind] = {}
+
+
+def register(kind: TargetKind) -> None:
+    TARGET_KINDS[kind.name] = kind
+
+
+def parse_options(text: str) -> dict[str, str]:
+    opts: dict[str, str] = {}
+    if not text:
+        return opts
+    for part in text.split(","):
+        if not part:
+            continue
+        if "=" not in part:
+            raise SpecError(f"target option {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        opts[k.strip()] = v.strip()
+    return opts
+
+
+def _int(opts, key, default=None, *, lo=None):
+    if key not in opts:
+        if default is None:
+            raise SpecError(f"target option {key}= is required")
+        return default
+    try:
+        val = int(opts[key])
+    except ValueError:
+        raise SpecError(f"target option {key}={opts[key]!r} is not an integer") from None
+    if lo is not None and val < lo:
+        raise SpecError(f"target option {key}={val} must be >= {lo}")
+    return val
+
+
+def _float(opts, key, default):
+    if key not in opts:
+        return default
+    try:
+        return float(opts[key])
+    except ValueError:
+        raise SpecError(f"target option {key}={opts[key]!r} is not a number") from None
+
+
+def _check_keys(kind: str, opts: dict, allowed: set[str]) -> None:
+    extra = set(opts) - allowed
+    if extra:
+        raise SpecError(f"unknown option(s) for {kind}: target: {', '.join(sorted(extra))} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
