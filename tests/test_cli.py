@@ -89,7 +89,8 @@ def test_transcript_resume(tmp_path, capsys):
     assert code == 0 and row["queries"] == 272 and row["W_rel_err"] <= 1e-10
     # nothing paid for is paid twice: the first run's answers (a whole number of calls, <= 150) are replayed
     assert 0 < row["transcript_replayed"] <= 150
-    assert row["transcript_replayed"] + row["transcript_sent"] == 272
+    # everything the oracle answered: the check's identities, the method's queries, the fidelity verdict
+    assert row["transcript_replayed"] + row["transcript_sent"] == 272 + row["check_queries"] + row["verify_queries"]
 
 
 def test_transcript_resume_through_a_threat_model(tmp_path, capsys):
@@ -101,7 +102,7 @@ def test_transcript_resume_through_a_threat_model(tmp_path, capsys):
     code, row, _ = run_json(capsys, *args)
     assert code == 0 and row["W_rel_err"] <= 1e-5
     assert row["transcript_replayed"] > 0
-    assert row["transcript_replayed"] + row["transcript_sent"] == row["queries"]
+    assert row["transcript_replayed"] + row["transcript_sent"] == row["queries"] + row["check_queries"] + row["verify_queries"]
 
 
 def test_installed_entry_point_and_table():

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from headthief import (AttentionHead, ConvergenceError, ModelOracle, extract_rop, random_head,
+from headthief import (ModelMismatch, AttentionHead, ConvergenceError, ModelOracle, extract_rop, random_head,
                        rop_query_count)
 from headthief.cli import main
 from headthief.extraction.single.rop import rop_measurement_count
@@ -123,11 +123,14 @@ def test_cli_rop(capsys):
 def test_too_few_measurements_warn_and_fail_honestly(capsys):
     d, r = 16, 2
     head = random_head(d, rng=4, rank=r)
-    res = extract_rop(ModelOracle(head), rank=r, oversampling=0.5, rng=0)
+    # the model check sees what the warning says: the recovered head does not reproduce the target
+    with pytest.raises(ModelMismatch, match="fidelity") as e:
+        extract_rop(ModelOracle(head), rank=r, oversampling=0.5, rng=0)
+    res = e.value.result
     assert "fewer than the 60 degrees of freedom" in res.diagnostics["warning"]
     assert res.errors(head)["W_rel_err"] > 1e-3          # underdetermined: no exact recovery
     ok = extract_rop(ModelOracle(head), rank=r, oversampling=1.5, rng=0)
     assert "warning" not in ok.diagnostics
     code = main(["extract", "--target", f"random:d={d},rank={r},seed=4", "--method", "rop", "--rank", str(r),
-                 "--oversampling", "0.5", "--quiet", "--json", "--verify", "0"])
+                 "--oversampling", "0.5", "--quiet", "--json", "--no-check"])
     assert code == 0 and "warning: 30 rank-one measurements" in capsys.readouterr().err

@@ -17,6 +17,12 @@ from .oracles.base import Oracle
 from .targets import Target
 
 
+def check_kw(args) -> dict:
+    """The model check's settings from the command line: ``--no-check``, ``--verify N``, ``--seed``."""
+    return {"check": not getattr(args, "no_check", False), "verify": int(getattr(args, "verify", 256)),
+            "check_rng": 10_000 + int(getattr(args, "seed", 0))}
+
+
 @dataclass(frozen=True)
 class Method:
     """A CLI method: ``run(oracle, target, args, progress) -> Extraction``; ``expected`` gives the
@@ -29,7 +35,7 @@ class Method:
 
 def _run_exact(oracle, target, args, progress):
     from .extraction.single.exact import extract_exact
-    return extract_exact(oracle, probes=args.probes, bias=target.bias, scales=args.scales,
+    return extract_exact(oracle, **check_kw(args), probes=args.probes, bias=target.bias, scales=args.scales,
                          rng=np.random.default_rng(args.seed), progress=progress)
 
 
@@ -56,7 +62,7 @@ def _run_noisy_paper(oracle, target, args, progress):
     if target.bias:
         raise SpecError("noisy-paper is Theorem 6.1 for the paper's model (no biases); use --method noisy")
     W_bound, mu = _noisy_settings(target, args, need=True)
-    return extract_noisy_paper(oracle, W_bound=W_bound, mu=mu, progress=progress)
+    return extract_noisy_paper(oracle, **check_kw(args), W_bound=W_bound, mu=mu, progress=progress)
 
 
 def _expected_noisy_paper(target, args):
@@ -67,7 +73,7 @@ def _expected_noisy_paper(target, args):
 def _run_noisy(oracle, target, args, progress):
     from .extraction.robust.noisy import extract_noisy
     W_bound, _ = _noisy_settings(target, args, need=False)
-    return extract_noisy(oracle, tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
+    return extract_noisy(oracle, **check_kw(args), tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
                          extra=args.extra_probes, rng=np.random.default_rng(args.seed), progress=progress)
 
 
@@ -95,7 +101,7 @@ def _run_membership_paper(oracle, target, args, progress):
         raise SpecError("membership-paper is Theorem B.1 for the paper's model (no biases); use --method membership")
     W_bound, mu = _membership_paper_settings(target, args)
     k = args.sphere_queries if args.sphere_queries is not None else 64 * target.d ** 2
-    return extract_membership_paper(oracle, W_bound=W_bound, mu=mu, eps_W=args.eps_W, k=k,
+    return extract_membership_paper(oracle, **check_kw(args), W_bound=W_bound, mu=mu, eps_W=args.eps_W, k=k,
                                     rng=np.random.default_rng(args.seed), progress=progress)
 
 
@@ -117,7 +123,7 @@ def _membership_bias(target, args) -> bool:
 
 def _run_membership(oracle, target, args, progress):
     from .extraction.robust.membership import extract_membership
-    return extract_membership(oracle, bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
+    return extract_membership(oracle, **check_kw(args), bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
                               progress=progress)
 
 
@@ -138,7 +144,7 @@ def _rank_arg(args) -> int | None:
 
 def _run_lowrank(oracle, target, args, progress):
     from .extraction.single.lowrank import extract_lowrank
-    return extract_lowrank(oracle, rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
+    return extract_lowrank(oracle, **check_kw(args), rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
                            scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
 
 
@@ -152,7 +158,7 @@ def _expected_lowrank(target, args):
 
 def _run_rop(oracle, target, args, progress):
     from .extraction.single.rop import extract_rop
-    return extract_rop(oracle, rank=_rank_arg(args), measurements=args.measurements,
+    return extract_rop(oracle, **check_kw(args), rank=_rank_arg(args), measurements=args.measurements,
                        oversampling=args.oversampling, solver=args.solver, bias=target.bias,
                        scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
 

@@ -11,10 +11,8 @@ import numpy as np
 
 from ..errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
                       OracleError, SpecError)
-from ..extraction.result import Extraction
 from ..methods import METHODS, build_oracle, input_norm_for
 from ..oracles.base import WrappedOracle
-from ..oracles.transcript import Transcript
 from ..targets import Target, resolve
 
 
@@ -34,8 +32,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="probe scales: chosen from the answers (default) or the paper's unit probes")
     e.add_argument("--verify", type=int, default=256, metavar="N",
                    help="fidelity check on N fresh random sequences (0 to skip; default 256)")
-    e.add_argument("--transcript", metavar="PATH.npz",
-                   help="keep every answer here; re-running with the same file replays what was paid for")
+    e.add_argument("--journal", "--transcript", dest="journal", metavar="PATH",
+                   help="crash-proof journal (SQLite) of every answer; re-running the same command with the "
+                        "same file replays what was paid for (--transcript is the old name)")
+    e.add_argument("--no-check", dest="no_check", action="store_true",
+                   help="skip the model check (the identities before, the fidelity verdict after)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     # low-rank methods (lowrank, rop)
     e.add_argument("--rank", default="auto", help="rank of W for lowrank/rop: an integer or 'auto' (default)")
@@ -101,17 +102,30 @@ def _num(x):
     return x if math.isfinite(x) else None
 
 
-def report(target: Target, method: str, res: Extraction, fidelity, args) -> dict:
-    errs = res.errors(target.truth) if target.truth is not None else {
-        "W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
+def report(target: Target, method: str, res, fidelity, args) -> dict:
+    """One JSON-able row: what was recovered, the errors where the truth is known, the cost, the check."""
+    if target.truth is not None:
+        errs = res.errors(target.truth)
+    else:
+        errs = {"W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
+    per_head = errs.pop("per_head", None)
+    mc = res.check
     out = {
         "target": target.spec, "method": method, "d": res.d, "rank": res.rank, "queries": res.queries,
-        **{k: _num(v) for k, v in errs.items()},
+        **{k: _num(v) if isinstance(v, float) else v for k, v in errs.items()},
         "fidelity_max_rel_err": _num(fidelity.max_rel_err) if fidelity else None,
         "verify_queries": fidelity.queries if fidelity else 0,
+        "check_queries": mc.check_queries if mc is not None else 0,
+        "queries_fresh": res.diagnostics.get("queries_fresh"),
+        "queries_replayed": res.diagnostics.get("queries_replayed"),
+        "oracle_calls": res.diagnostics.get("oracle_calls"),
         "seconds": round(res.seconds, 4),
+        "oracle_seconds": round(float(res.diagnostics.get("oracle_seconds", 0.0)), 4),
+        "model_check": mc.as_dict() if mc is not None else None,
         "seed": args.seed,
     }
+    if per_head is not None:
+        out["per_head"] = per_head
     for k, v in res.diagnostics.items():
         if isinstance(v, (int, float, str, bool)) or v is None:
             out.setdefault(k, _num(v) if isinstance(v, float) else v)
@@ -120,8 +134,9 @@ def report(target: Target, method: str, res: Extraction, fidelity, args) -> dict
 
 
 # The results table's first block: what was extracted, what it cost, how close it is.
-HEADLINE = ("target", "method", "d", "rank", "queries", "W_rel_err", "v_rel_err", "v_dir_err", "c_rel_err",
-            "beta_abs_err", "fidelity_max_rel_err", "verify_queries", "seconds")
+HEADLINE = ("target", "method", "d", "heads", "rank", "queries", "W_rel_err", "v_rel_err", "v_dir_err", "c_rel_err",
+            "beta_abs_err", "fidelity_max_rel_err", "model_check", "queries_fresh", "queries_replayed", "check_queries",
+            "verify_queries", "oracle_calls", "seconds", "oracle_seconds")
 
 
 def print_table(row: dict) -> None:
@@ -136,31 +151,106 @@ def print_table(row: dict) -> None:
         print(f"{k:<{width}}  {'-' if v is None else v}")
 
     for k in HEADLINE:
-        if k in row:
+        if k == "model_check" and isinstance(row.get(k), dict):
+            mc = row[k]
+            line(k, f"{mc['verdict']}: {mc['detail']}" if mc.get("detail") else mc["verdict"])
+        elif k in row:
             line(k, row[k])
-    rest = [k for k in row if k not in HEADLINE]
+    for h in row.get("per_head") or []:
+        line(f"  head {h['true_head']}", ", ".join(f"{k} {v:.2e}" for k, v in h.items() if isinstance(v, float)))
+    rest = [k for k in row if k not in HEADLINE and k != "per_head"]
     if rest:
         print(f"{'-- diagnostics':<{width}}")
         for k in rest:
             line(k, row[k])
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: the run ends like Ctrl-C does (journal closed, a message, an exit code)."""
+
+    def __init__(self, signum: int):
+        import signal
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+def _install_signal_handlers():
+    import signal
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):      # not the main thread
+                pass
+    return old
+
+
+def _restore_signal_handlers(old) -> None:
+    import signal
+    for sig, h in old.items():
+        signal.signal(sig, h)
+
+
+# The settings that change which queries a run asks: a journal resumes only a run with the same ones.
+FINGERPRINT = ("d", "bias", "probes", "scales", "rank", "oversample", "solver", "measurements", "oversampling",
+               "noise", "noise_mode", "sign_only", "sphere_queries", "eps_W", "W_bound", "mu", "extra_probes",
+               "input_norm", "heads", "max_heads", "subspace_bases")
+
+
+def fingerprint(args) -> dict:
+    fp = {"target": args.target, "method": args.method, "seed": args.seed}
+    for k in FINGERPRINT:
+        if hasattr(args, k):
+            fp[k] = getattr(args, k)
+    return fp
+
+
+def open_journal(args):
+    """The journal the flags ask for (None without --journal); refuses another command's journal."""
+    if not args.journal:
+        return None
+    from ..oracles.journal import Journal
+    j = Journal(args.journal, fingerprint(args))
+    if j.torn:
+        print(f"headthief: journal {args.journal}: the last write was torn by a crash ({j.torn} bytes of an "
+              "incomplete record); SQLite dropped it, the run asks that batch again", file=sys.stderr)
+    return j
+
+
+def _innermost(oracle):
+    while isinstance(oracle, WrappedOracle):
+        oracle = oracle.inner
+    return oracle
+
+
 def cmd_extract(args) -> int:
+    from ..errors import ModelMismatch
+    from ..oracles.journal import JournalError
     if args.method not in METHODS:
         return _fail(2, f"unknown method {args.method!r} (known: {', '.join(METHODS)})")
     if args.budget is not None and args.budget < 0:
         return _fail(2, f"--budget must be >= 0, got {args.budget}")
+    if args.verify < 0:
+        return _fail(2, f"--verify must be >= 0, got {args.verify}")
     try:
         target = resolve(args.target, d=args.d, bias=args.bias)
+        journal = open_journal(args)
+    except JournalError as e:
+        return _fail(2, str(e))
     except SpecError as e:
         return _fail(2, str(e))
     method = METHODS[args.method]
-    transcript = None
-    if args.transcript:
-        from pathlib import Path
-        transcript = Transcript.load(args.transcript) if Path(args.transcript).exists() else Transcript()
-    oracle_kw = {"budget": args.budget, "transcript": transcript}
+    oracle_kw = {"budget": args.budget, "transcript": journal}
+    kept = f"; the answers paid for are in the journal {args.journal}" if journal is not None else ""
     bar = _ProgressBar(None, f"{args.method} {args.target}", enabled=not args.quiet)
+    old_handlers = _install_signal_handlers()
+    oracle = None
     try:
         oracle = build_oracle(target, args, **oracle_kw)
         total = method.expected(target, args)
@@ -168,36 +258,55 @@ def cmd_extract(args) -> int:
             bar.bar.update(bar.task, total=total)
         res = method.run(oracle, target, args, bar)
     except BudgetExceeded as e:
-        return _fail(3, str(e) + (f"; their answers are saved in {args.transcript}" if transcript is not None else ""))
+        return _fail(3, str(e) + kept)
+    except ModelMismatch as e:
+        bar.close()
+        res = getattr(e, "result", None)
+        if res is not None and args.json:
+            print(json.dumps(report(target, args.method, res, None, args)))
+        elif args.json:
+            print(json.dumps({"target": target.spec, "method": args.method, "model_check": {
+                "verdict": "fail", "check": e.check, "figure": _num(e.figure), "threshold": _num(e.threshold),
+                "detail": str(e)}, "check_queries": oracle.queries if oracle is not None else None}))
+        return _fail(5, str(e) + kept)
     except (NotIdentifiable, InvalidQuery, SpecError, ValueError) as e:
         return _fail(2, str(e))
-    except (OracleError, ConvergenceError) as e:
+    except (OracleError, ConvergenceError, JournalError) as e:
         return _fail(4, str(e))
     except KeyboardInterrupt:
-        return _fail(130, "interrupted" + (f"; answers so far saved in {args.transcript}" if transcript is not None else ""))
+        return _fail(130, "interrupted (Ctrl-C)" + kept + ("; re-run the same command to resume" if kept else ""))
+    except Terminated as e:
+        return _fail(128 + e.signum, f"terminated by {e.name}" + kept
+                     + ("; re-run the same command to resume" if kept else ""))
     finally:
         bar.close()
-        if transcript is not None:
-            transcript.save(args.transcript)
+        _restore_signal_handlers(old_handlers)
+        if journal is not None:
+            journal.close()
     if res.diagnostics.get("warning"):
         print(f"headthief: warning: {res.diagnostics['warning']}", file=sys.stderr)
     fidelity = None
-    if args.verify > 0:
+    mc = res.check
+    clean = oracle is _innermost(oracle)
+    if mc is not None and mc.figure is not None and clean:
+        from ..extraction.result import Fidelity
+        fidelity = Fidelity(n=args.verify, queries=mc.verify_queries, max_abs_err=float("nan"), rms_true=float("nan"),
+                            max_rel_err=mc.figure)
+    elif args.verify > 0:
         try:
-            # against the clean target (no noise wrapper), tokens scaled to the input-norm bound
-            fidelity = res.verify(target.make_oracle(input_norm=input_norm_for(args)), args.verify, rng=np.random.default_rng(10_000 + args.seed))
+            # against the clean target (no threat-model wrapper), tokens scaled to the input-norm bound
+            fidelity = res.verify(target.make_oracle(input_norm=input_norm_for(args)), args.verify,
+                                  rng=np.random.default_rng(10_000 + args.seed))
         except HeadthiefError as e:
             print(f"headthief: verification skipped: {e}", file=sys.stderr)
     if args.save:
         res.save(args.save)
     row = report(target, args.method, res, fidelity, args)
-    if transcript is not None:
-        # what this run paid for versus what the transcript already held
-        o = oracle
-        while o.transcript is None and isinstance(o, WrappedOracle):
-            o = o.inner
-        row["transcript_replayed"] = o.replayed
-        row["transcript_sent"] = o.fresh
+    if journal is not None:
+        inner = _innermost(oracle)
+        row["journal_replayed"] = inner.replayed
+        row["journal_sent"] = inner.fresh
+        row["transcript_replayed"], row["transcript_sent"] = inner.replayed, inner.fresh   # the old names
     if args.json:
         print(json.dumps(row))
     else:

@@ -40,6 +40,8 @@ class Extraction:
         seconds: wall time of the extraction.
         diagnostics: method-specific figures (re-asked probes, oracle calls, conditioning, ...).
         v_scale_known: False when only v's direction is identifiable (sign-only oracles).
+        check: the model check's :class:`~headthief.extraction.check.ModelCheck` (None when the method
+            was called without it).
     """
 
     method: str
@@ -52,6 +54,7 @@ class Extraction:
     seconds: float
     diagnostics: Mapping[str, Any] = field(default_factory=dict)
     v_scale_known: bool = True
+    check: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))
@@ -69,6 +72,10 @@ class Extraction:
     def head(self) -> AttentionHead:
         """The recovered head as a model that can be evaluated."""
         return AttentionHead(v=self.v, W=self.W, c=self.c, beta=self.beta)
+
+    def predict(self, batch) -> np.ndarray:
+        """The recovered head's outputs on a batch of sequences."""
+        return self.head().evaluate(batch)
 
     def verify(self, oracle: Oracle, n: int = 256, *, rng: np.random.Generator | int = 0,
                max_len: int = 32) -> Fidelity:

@@ -97,6 +97,7 @@ class Oracle:
         self.replayed = 0      # sequences answered from the transcript
         self.calls = 0
         self.seconds = 0.0     # wall time spent inside the black box (_query)
+        self.before_first_query = None   # a one-shot hook (the model check's identities) run before the next query
 
     def _settings(self) -> str:
         parts = [f"d={self.d}"]
@@ -122,6 +123,9 @@ class Oracle:
             return np.zeros(0)
         if self.input_norm is not None:
             self._check_norm(X)
+        if self.before_first_query is not None:
+            hook, self.before_first_query = self.before_first_query, None
+            hook()
         key = batch_key(X) if self.transcript is not None else None
         if key is not None:
             hit = self.transcript.lookup(key, n)

@@ -46,6 +46,7 @@ class MultiHeadExtraction:
     diagnostics: Mapping[str, Any] = field(default_factory=dict)
     canonical: bool = True
     v_scale_known: bool = True
+    check: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))

@@ -67,6 +67,7 @@ import numpy as np
 from ...errors import ConvergenceError, NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import Progress, chunk_for, logit
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 
@@ -398,6 +399,7 @@ def _measure(ask: _Asker, U, D, vhat, z0, R, items_l, items_k, rho, *, tol, max_
     return m, t, ok, ~found
 
 
+@checked(SINGLE, reads="signs")
 def extract_membership(
     oracle: Oracle,
     *,

@@ -57,6 +57,7 @@ from scipy.special import expit, gammaln
 from ...errors import InvalidQuery, NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import Progress, chunk_for, logit
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 SIGMA_HALF = float(expit(0.5))
@@ -181,6 +182,7 @@ def bisect_W_paper(oracle: Oracle, v_hat: np.ndarray, *, W_bound: float, mu: flo
     return W_hat, info
 
 
+@checked(SINGLE, reads="signs")
 def extract_membership_paper(
     oracle: Oracle,
     *,

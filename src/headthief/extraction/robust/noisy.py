@@ -60,6 +60,7 @@ from scipy.special import expit
 from ...errors import ConvergenceError, NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import Progress, chunk_for, logit
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 SQRT1_2 = np.sqrt(0.5)
@@ -204,6 +205,7 @@ def _invert(y, base, coef, t_cap, eps):
     return logit(np.clip(alpha, lo, hi)), clipped, beyond
 
 
+@checked(SINGLE)
 def extract_noisy(
     oracle: Oracle,
     *,

@@ -49,6 +49,7 @@ import numpy as np
 from ...errors import NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import Progress, chunk_for, logit
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 A = 0.5                                   # the paper's a
@@ -94,6 +95,7 @@ def _check_setting(W: float, mu: float) -> None:
         raise ValueError(f"Theorem 6.1 needs a margin 0 < mu <= 1 on the non-zero |v_i|, got mu = {mu}")
 
 
+@checked(SINGLE)
 def extract_noisy_paper(
     oracle: Oracle,
     *,

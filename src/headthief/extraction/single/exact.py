@@ -27,6 +27,7 @@ import scipy.linalg
 from ...oracles.base import Oracle
 from ..probes import (Known, ProbeDesign, ProbeScaler, Progress, basis_design, bilinear_measurements, chunk_for,
                      gaussian_design, linear_measurements, looks_float32, numerical_rank, value_phase)
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 
@@ -35,6 +36,7 @@ def exact_query_count(d: int, *, bias: bool = False) -> int:
     return d * d + d + (d + 1 if bias else 0)
 
 
+@checked(SINGLE)
 def extract_exact(
     oracle: Oracle,
     *,

@@ -46,6 +46,7 @@ from ...errors import ConvergenceError, NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import (AnswerPrecision, Known, ProbeScaler, Progress, _invert, basis_design, chunk_for,
                      gaussian_design, linear_measurements, looks_float32, value_phase)
+from ..check import SINGLE, checked
 from ..result import Extraction
 
 FLOAT32_OVERSAMPLE = 10
@@ -227,6 +228,7 @@ def _basis_solve(G: np.ndarray, sgn: np.ndarray, p: int) -> np.ndarray:
     return G - np.multiply.outer(sgn, G[p]) if G.ndim == 2 else G - sgn * G[p]
 
 
+@checked(SINGLE)
 def extract_lowrank(
     oracle: Oracle,
     *,

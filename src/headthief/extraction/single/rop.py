@@ -42,6 +42,7 @@ from ...errors import NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import (AnswerPrecision, Known, ProbeScaler, Progress, basis_design, bilinear_measurements,
                      chunk_for, linear_measurements, value_phase)
+from ..check import SINGLE, checked
 from ..result import Extraction
 from .sensing_als import solve_als
 from .sensing_convex import CONVEX_MAX_D, check_convex_size, solve_nuclear
@@ -137,6 +138,7 @@ def _check_size(d: int, m: int) -> None:
             "d + r(2d - r) queries, O(d r) memory)")
 
 
+@checked(SINGLE)
 def extract_rop(
     oracle: Oracle,
     *,

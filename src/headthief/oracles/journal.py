@@ -1,0 +1,172 @@
+"""A crash-proof journal of every answer a black box gave (SQLite in WAL mode, from the standard library).
+
+Every answered batch is one row, committed (and, with ``synchronous=FULL``, fsync'ed) *before* the
+answers reach the algorithm, so a ``kill -9``, an OOM kill or a power loss after the commit loses
+nothing. Extractions are deterministic for their settings, so re-running the same command with the
+same journal asks the same batches: those are answered from the journal (free), the rest from the
+black box.
+
+Format (a SQLite database; read it with any SQLite client):
+
+- ``meta(key TEXT PRIMARY KEY, value TEXT)``: ``format`` (``headthief-journal-1``), ``fingerprint`` (a
+  JSON object: target, method, seed and every setting that changes which queries are asked), ``created``.
+- ``answers(id INTEGER PRIMARY KEY, key BLOB UNIQUE, n INTEGER, answers BLOB, checksum BLOB)``: ``key`` is
+  the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes (:func:`headthief.oracles.base.batch_key`),
+  ``answers`` the n float64 answers (little-endian), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
+
+Failure modes and what they do:
+
+- a torn last write (the process died inside a commit): SQLite's write-ahead log drops the incomplete
+  transaction when the file is next opened; :class:`Journal` notices the partial WAL frame first and
+  says so (``torn`` attribute, a message on stderr from the CLI);
+- a damaged file (not a database, a malformed page, a row whose checksum fails): :class:`JournalError`
+  with a message naming the file and what is wrong; never a traceback;
+- a journal of another command (target, method, seed or setting): :class:`JournalMismatch` naming every
+  setting that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import struct
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import HeadthiefError, SpecError
+
+FORMAT = "headthief-journal-1"
+
+
+class JournalError(HeadthiefError):
+    """A journal file cannot be used: damaged, not a journal, or unreadable."""
+
+
+class JournalMismatch(SpecError):
+    """A journal written by another command (target, method, seed or setting)."""
+
+
+def _checksum(key: bytes, n: int, blob: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(key)
+    h.update(struct.pack("<q", n))
+    h.update(blob)
+    return h.digest()
+
+
+def _wal_tail(path: Path) -> int:
+    """Bytes of a partial frame at the end of ``path``'s WAL file (0 when it ends on a frame boundary)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        size = wal.stat().st_size
+        if size <= 32:
+            return 0
+        with open(wal, "rb") as f:
+            header = f.read(32)
+    except OSError:
+        return 0
+    if len(header) < 32 or header[:4] not in (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83"):
+        return 0
+    page = struct.unpack(">I", header[8:12])[0]
+    frame = 24 + page
+    return (size - 32) % frame if page else 0
+
+
+class Journal:
+    """Durable (batch hash -> answers) store with the interface of :class:`~headthief.oracles.Transcript`.
+
+    Args:
+        path: the journal file (created when missing).
+        fingerprint: what the run is (target, method, seed, settings). A new journal records it; an
+            existing one must have been written with the same, else :class:`JournalMismatch`.
+    """
+
+    def __init__(self, path: str | os.PathLike, fingerprint: Mapping[str, Any] | None = None):
+        self.path = Path(path)
+        self.fingerprint = dict(fingerprint or {})
+        self.torn = _wal_tail(self.path) if self.path.exists() else 0
+        existed = self.path.exists() and self.path.stat().st_size > 0
+        if existed:
+            with open(self.path, "rb") as f:
+                magic = f.read(16)
+            if magic != b"SQLite format 3\x00":
+                raise JournalError(f"journal {self.path} is not a headthief journal (not a SQLite database); "
+                                   "an old .npz transcript? Use a new file name")
+        try:
+            self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, "
+                             "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL)")
+            meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+            rows = self._db.execute("SELECT id, key, n, answers, checksum FROM answers ORDER BY id").fetchall()
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
+        if meta:
+            if meta.get("format") != FORMAT:
+                raise JournalError(f"journal {self.path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+            old = json.loads(meta.get("fingerprint", "{}"))
+            if self.fingerprint and old != self.fingerprint:
+                diff = [f"{k}: journal has {old.get(k)!r}, this run {self.fingerprint.get(k)!r}"
+                        for k in sorted(set(old) | set(self.fingerprint)) if old.get(k) != self.fingerprint.get(k)]
+                raise JournalMismatch(f"journal {self.path} was written by another command ({'; '.join(diff)}); "
+                                      "a journal resumes only the command that wrote it: use another file")
+            if not self.fingerprint:
+                self.fingerprint = old
+        else:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+                    ("format", FORMAT), ("fingerprint", json.dumps(self.fingerprint, sort_keys=True)),
+                    ("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))])
+        self._answers: dict[bytes, np.ndarray] = {}
+        for rid, key, n, blob, chk in rows:
+            if _checksum(key, n, blob) != chk or len(blob) != 8 * n:
+                raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
+                                   "move it aside to start afresh")
+            self._answers[bytes(key)] = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+        self.loaded = len(self._answers)
+        self.loaded_queries = self.queries
+
+    def __repr__(self) -> str:
+        return f"Journal({str(self.path)!r}, batches={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    @property
+    def queries(self) -> int:
+        return int(sum(a.shape[0] for a in self._answers.values()))
+
+    def lookup(self, key: bytes, n: int) -> np.ndarray | None:
+        y = self._answers.get(key)
+        if y is None or y.shape[0] != n:
+            return None
+        return y.copy()
+
+    def record(self, key: bytes, y: np.ndarray) -> None:
+        """Write one answered batch durably (committed and fsync'ed) before it is used."""
+        y = np.ascontiguousarray(y, dtype="<f8")
+        blob = y.tobytes()
+        n = int(y.shape[0])
+        try:
+            self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
+                             (key, n, blob, _checksum(key, n, blob)))
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path}: writing failed ({e})") from None
+        self._answers[key] = y.astype(np.float64)
+
+    def close(self) -> None:
+        try:
+            self._db.close()
+        except sqlite3.Error:
+            pass
+
+    def save(self, path=None) -> None:
+        """Nothing to do: every record is already on disk (kept for the Transcript interface)."""
