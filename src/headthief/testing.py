@@ -47,3 +47,98 @@ def check_recovery(res: Extraction, truth: AttentionHead, *, queries: int | None
     if problems:
         raise AssertionError(f"{res.method} recovery failed: " + "; ".join(problems) + f" (errors: {errs})")
     return errs
+
+
+COUNTING_TARGET = '''\
+"""A black box for the kill test: a seeded random head that appends the size of every batch it receives
+to a counter file (on receipt, as a paid API bills), so the queries paid over several killed attempts
+can be added up."""
+import os
+import numpy as np
+from headthief.models.attention import random_head
+
+_HEAD = random_head(int(os.environ["HT_KILL_D"]), rng=int(os.environ["HT_KILL_SEED"]))
+
+
+def answer(seqs):
+    with open(os.environ["HT_KILL_COUNT"], "a") as f:
+        f.write(f"{len(seqs)}\\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return _HEAD.evaluate(seqs)
+'''
+
+
+def kill_resume(workdir, *, d: int = 256, method: str = "exact", kills: int = 20, seed: int = 1,
+                rng: int = 0, python: str | None = None, progress=None) -> dict:
+    """Run one extraction uninterrupted, then again with SIGKILL at ``kills`` random moments, resuming
+    each time from the journal; return the queries paid each way and whether the results are
+    bit-identical.
+
+    The target is a seeded random head behind a ``py:`` black box that counts every query it receives.
+    Kill moments are drawn uniformly over the uninterrupted run's wall time (start-up included).
+    """
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    target_py = work / "counting_target.py"
+    target_py.write_text(COUNTING_TARGET)
+    py = python or sys.executable
+    gen = np.random.default_rng(rng)
+
+    def command(journal: Path, out: Path) -> list[str]:
+        return [py, "-m", "headthief.cli", "extract", "--target", f"py:{target_py}:answer", "--d", str(d),
+                "--method", method, "--journal", str(journal), "--save", str(out), "--json", "--quiet"]
+
+    def env(count: Path) -> dict:
+        return {**os.environ, "HT_KILL_D": str(d), "HT_KILL_SEED": str(seed), "HT_KILL_COUNT": str(count)}
+
+    def paid(count: Path) -> int:
+        return sum(int(x) for x in count.read_text().split()) if count.exists() else 0
+
+    for p in work.glob("run*"):
+        p.unlink()
+    t0 = time.perf_counter()
+    ref = subprocess.run(command(work / "run0.journal", work / "run0.npz"), env=env(work / "run0.count"),
+                         capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if ref.returncode != 0:
+        raise RuntimeError(f"the uninterrupted run failed ({ref.returncode}): {ref.stderr.strip()}")
+    one_run = paid(work / "run0.count")
+    journal, count, out = work / "run1.journal", work / "run1.count", work / "run1.npz"
+    killed = 0
+    moments = []
+    for _ in range(kills):
+        at = float(gen.uniform(0.05, 1.0) * wall)
+        proc = subprocess.Popen(command(journal, out), env=env(count), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=at)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed += 1
+            moments.append(at)
+        if progress:
+            progress(1)
+    final = subprocess.run(command(journal, out), env=env(count), capture_output=True, text=True, timeout=3600)
+    if final.returncode != 0:
+        raise RuntimeError(f"the resumed run failed ({final.returncode}): {final.stderr.strip()}")
+    row = json.loads(final.stdout)
+    all_attempts = paid(count)
+    with np.load(work / "run0.npz") as a, np.load(out) as b:
+        identical = all(np.array_equal(a[k], b[k]) for k in a.files) and set(a.files) == set(b.files)
+    return {"d": d, "method": method, "kills": killed, "one_run_queries": one_run,
+            "fresh_over_all_attempts": all_attempts, "overhead": all_attempts - one_run,
+            "bit_identical": bool(identical), "uninterrupted_seconds": round(wall, 2),
+            "final_replayed": row.get("journal_replayed"), "final_sent": row.get("journal_sent"),
+            "oracle_calls_one_run": len((work / "run0.count").read_text().split())}

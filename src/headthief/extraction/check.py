@@ -69,7 +69,8 @@ class ModelCheck:
     """What the model check found.
 
     Attributes:
-        verdict: ``"pass"``, ``"fail"``, or ``"unchecked"`` (skipped, or the budget ran out first).
+        verdict: ``"pass"``, ``"fail"``, ``"inconclusive"`` (the answers or the method's resolution cannot
+            tell), or ``"unchecked"`` (skipped, or the budget ran out first).
         model: the assumed class.
         answers: what the answers were read as (``float64``, ``float32``, ``tolerance 1e-06``, ``sign-only``).
         identities: the identities tested before the extraction.
@@ -394,6 +395,10 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
         figure = float(wrong.sum()) / max(int(clear.sum()), 1)
         threshold = 0.02
         what = f"{int(wrong.sum())} of {int(clear.sum())} clear sign predictions wrong"
+        if clear.sum() < n // 4:
+            return ModelCheck("inconclusive", model, kind.describe(), ids, cq, figure, threshold, vq,
+                              detail=f"{what}: the method's resolution {resolution:.3g} leaves too few "
+                                     "sequences whose sign it predicts clearly")
     else:
         rms = float(np.sqrt(np.mean(y ** 2)))
         figure = float(np.max(np.abs(y_hat - y)) / max(rms, 1e-300))
