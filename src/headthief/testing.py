@@ -76,7 +76,8 @@ def kill_resume(workdir, *, d: int = 256, method: str = "exact", kills: int = 20
     bit-identical.
 
     The target is a seeded random head behind a ``py:`` black box that counts every query it receives.
-    Kill moments are drawn uniformly over the uninterrupted run's wall time (start-up included).
+    Each attempt is killed after a random number of newly journaled batches (0 = during start-up),
+    spread over what is left so that every attempt dies while work remains.
     """
     import json
     import os
@@ -115,19 +116,34 @@ def kill_resume(workdir, *, d: int = 256, method: str = "exact", kills: int = 20
         raise RuntimeError(f"the uninterrupted run failed ({ref.returncode}): {ref.stderr.strip()}")
     one_run = paid(work / "run0.count")
     journal, count, out = work / "run1.journal", work / "run1.count", work / "run1.npz"
+    total_batches = len((work / "run0.count").read_text().split())
+
+    def journaled() -> int:
+        import sqlite3
+        try:
+            with sqlite3.connect(journal, timeout=1) as db:
+                return int(db.execute("SELECT count(*) FROM answers").fetchone()[0])
+        except sqlite3.Error:
+            return 0
+
     killed = 0
-    moments = []
-    for _ in range(kills):
-        at = float(gen.uniform(0.05, 1.0) * wall)
+    for i in range(kills):
+        # kill after a random number of newly journaled batches, spread so that every attempt is killed
+        # while work remains (and now and then before the first answer: during start-up)
+        have = journaled()
+        left = max(total_batches - have, 1)
+        step = int(gen.integers(0, max(2, 2 * left // (kills - i + 1))))
         proc = subprocess.Popen(command(journal, out), env=env(count), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        try:
-            proc.wait(timeout=at)
-        except subprocess.TimeoutExpired:
+        deadline = time.perf_counter() + 4 * wall + 10
+        while proc.poll() is None and time.perf_counter() < deadline:
+            if journaled() >= have + step:
+                break
+            time.sleep(0.002)
+        if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             killed += 1
-            moments.append(at)
         if progress:
             progress(1)
     final = subprocess.run(command(journal, out), env=env(count), capture_output=True, text=True, timeout=3600)
