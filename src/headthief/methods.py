@@ -175,6 +175,68 @@ def _expected_rop(target, args):
         return None
 
 
+def _heads_arg(args) -> int | None:
+    h = getattr(args, "heads", None)
+    if h is None or str(h).strip().lower() == "auto":
+        return None
+    try:
+        return int(h)
+    except ValueError:
+        raise SpecError(f"--heads must be an integer or 'auto', got {h!r}") from None
+
+
+def _run_multihead(oracle, target, args, progress):
+    from .extraction.multihead import extract_multihead
+    return extract_multihead(oracle, **check_kw(args), heads=_heads_arg(args), max_heads=args.max_heads,
+                             rank=_rank_arg(args), bias=target.bias, rng=np.random.default_rng(args.seed),
+                             progress=progress)
+
+
+def _expected_multihead(target, args):
+    from .extraction.multihead import multihead_query_count
+    H = _heads_arg(args)
+    r = _rank_arg(args)
+    if H is None:
+        return None
+    try:
+        return multihead_query_count(target.d, H, r, target.bias)
+    except (ValueError, TypeError):
+        return None
+
+
+def _bases(target, args):
+    if getattr(args, "subspace_bases", None):
+        try:
+            return np.load(args.subspace_bases)
+        except (OSError, ValueError) as e:
+            raise SpecError(f"--subspace-bases {args.subspace_bases}: {e}") from None
+    if target.bases is None:
+        raise SpecError("--method multihead-subspaces needs the head subspaces: a multihead:...,subspaces=orthogonal "
+                        "target, or --subspace-bases FILE.npy with an (H, d, d_h) array of orthonormal bases")
+    return target.bases
+
+
+def _run_multihead_subspaces(oracle, target, args, progress):
+    from .extraction.multihead import extract_multihead_subspaces
+    return extract_multihead_subspaces(oracle, _bases(target, args), **check_kw(args), bias=target.bias,
+                                       progress=progress, rng=np.random.default_rng(args.seed))
+
+
+def _expected_multihead_subspaces(target, args):
+    from .extraction.multihead import subspaces_query_count
+    try:
+        B = _bases(target, args)
+        return subspaces_query_count([b.shape[1] for b in B], bias=target.bias)
+    except (SpecError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _run_multihead_hessian(oracle, target, args, progress):
+    from .extraction.multihead import extract_multihead_hessian
+    return extract_multihead_hessian(oracle, **check_kw(args), heads=_heads_arg(args), bias=target.bias,
+                                     rng=np.random.default_rng(args.seed), progress=progress)
+
+
 METHODS: dict[str, Method] = {
     "exact": Method(_run_exact, _expected_exact,
                     "Theorem 4.1: d^2 + d queries (d^2 + 2d + 1 with biases), exact recovery"),
@@ -191,6 +253,15 @@ METHODS: dict[str, Method] = {
     "membership-paper": Method(_run_membership_paper, _expected_membership_paper,
                                "Theorem B.1 as stated: sign-only answers, k sphere queries for v + d^2 "
                                "bisections (needs --W-bound, --mu; its probes need --input-norm > 1)"),
+    "multihead": Method(_run_multihead, _expected_multihead,
+                        "multi-head attention, any heads (ours): saturation finds every v_h, head isolation reads "
+                        "each W_h; canonical form up to permutation (--heads H|auto, --max-heads, --rank)"),
+    "multihead-subspaces": Method(_run_multihead_subspaces, _expected_multihead_subspaces,
+                                  "Proposition C.2: known orthogonal head subspaces, Theorem 4.1 in each "
+                                  "(--subspace-bases FILE.npy, or a subspaces=orthogonal target)"),
+    "multihead-hessian": Method(_run_multihead_hessian, lambda t, a: None,
+                                "the paper's conjecture (Appendix C): probe Hessians, finest simultaneous block "
+                                "diagonalisation, then Proposition C.2"),
     "membership": Method(_run_membership, _expected_membership,
                          "sign-only answers: bisection for v's direction and every W entry, about 42 (d^2 + d) queries"),
 }

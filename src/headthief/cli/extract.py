@@ -38,6 +38,12 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--no-check", dest="no_check", action="store_true",
                    help="skip the model check (the identities before, the fidelity verdict after)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    # multi-head methods
+    e.add_argument("--heads", default="auto", help="multihead: the number of heads, or 'auto' (default)")
+    e.add_argument("--max-heads", dest="max_heads", type=int, default=16,
+                   help="multihead: the most heads --heads auto accepts (default 16)")
+    e.add_argument("--subspace-bases", dest="subspace_bases", metavar="FILE.npy", default=None,
+                   help="multihead-subspaces: an (H, d, d_h) array of orthonormal head bases")
     # low-rank methods (lowrank, rop)
     e.add_argument("--rank", default="auto", help="rank of W for lowrank/rop: an integer or 'auto' (default)")
     e.add_argument("--oversample", type=int, default=None, metavar="K",
@@ -104,7 +110,8 @@ def _num(x):
 
 def report(target: Target, method: str, res, fidelity, args) -> dict:
     """One JSON-able row: what was recovered, the errors where the truth is known, the cost, the check."""
-    if target.truth is not None:
+    from ..models.multihead import MultiHeadAttention
+    if target.truth is not None and isinstance(target.truth, MultiHeadAttention) == hasattr(res, "V"):
         errs = res.errors(target.truth)
     else:
         errs = {"W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
@@ -112,6 +119,7 @@ def report(target: Target, method: str, res, fidelity, args) -> dict:
     mc = res.check
     out = {
         "target": target.spec, "method": method, "d": res.d, "rank": res.rank, "queries": res.queries,
+        **({"heads": res.heads} if hasattr(res, "heads") else {}),
         **{k: _num(v) if isinstance(v, float) else v for k, v in errs.items()},
         "fidelity_max_rel_err": _num(fidelity.max_rel_err) if fidelity else None,
         "verify_queries": fidelity.queries if fidelity else 0,

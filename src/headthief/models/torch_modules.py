@@ -28,6 +28,19 @@ Two targets, both scalar regressors in the sense of Section 3 (the last token is
   ``W = Wk^T Wq / sqrt(D)``, ``c = Wk^T bq / sqrt(D)``, ``v = Wv^T Wo^T r``,
   ``beta = r^T (Wo bv + bo)`` (the same derivation as in :mod:`headthief.models.minilm`).
 
+Whole layers (multi-head, :class:`~headthief.models.multihead.MultiHeadAttention` truths):
+
+* :func:`minilm_layer_hf_forward` — the same ``BertAttention`` with all 12 heads kept: the module's
+  ``self`` then ``output.dense`` applied to the full concatenated context of the last position (no
+  head zeroed; still no dropout, residual or LayerNorm), read out along r. Its truth is
+  :func:`headthief.models.minilm.minilm_layer_truth` (beta = r^T (Wo bv + bo), bo once).
+
+* ``torch_mha(d, seed, heads=H)`` — ``nn.MultiheadAttention(d, H, batch_first=True)`` (``heads=1``, the
+  default, is the module above, drawn identically). Head h owns rows ``S_h = h d/H .. (h+1) d/H - 1``
+  of Wq, Wk, Wv and columns S_h of Wo, and PyTorch scales by 1/sqrt(d/H), so
+  :func:`torch_mha_multihead_truth` gives ``W_h = Wk_h^T Wq_h / sqrt(d/H)``,
+  ``c_h = Wk_h^T bq_h / sqrt(d/H)``, ``v_h = Wv_h^T Wo_h^T r`` and ``beta = r^T (Wo bv + bo)``.
+
 :class:`TorchOracle` is the oracle over such a forward function: it groups a batch by sequence
 length, sends each group in chunks of at most ``max_tokens`` tokens as one float32 tensor, under
 ``torch.no_grad()``. torch and transformers are imported inside the functions that need them.
@@ -43,6 +56,7 @@ import numpy as np
 
 from ..oracles.base import Oracle
 from .attention import AttentionHead
+from .multihead import MultiHeadAttention
 from .minilm import D_HEAD, D_MODEL, N_HEADS, _check_layer_head, minilm_dir, readout_vector
 
 TORCH_HINT = "pip install 'headthief[torch]' (torch==2.13.0, the CPU build, and transformers>=5)"
@@ -154,15 +168,46 @@ def minilm_hf_oracle(layer: int, head: int, *, readout: int = 0, **kw) -> TorchO
                        name=f"BertAttention(layer={layer}).head{head}", **kw)
 
 
+def minilm_layer_hf_forward(layer: int, readout: int = 0) -> Callable[[Any], Any]:
+    """The forward function of the whole attention layer ``layer`` (all 12 heads) through transformers.
+
+    ``BertAttention.self`` (eager softmax attention, float32) then ``output.dense`` on the last
+    position's full context (no head zeroed; dropout, residual and LayerNorm not applied), read out
+    along r. The black box of :func:`headthief.models.minilm.minilm_layer`.
+    """
+    from .minilm import _check_layer_readout
+    layer, readout = _check_layer_readout(layer, readout)
+    attention = load_minilm_hf().encoder.layer[layer].attention
+    r = _readout_tensor(readout, D_MODEL)
+
+    def forward(X):                                  # X: (n, N, 384) float32
+        ctx = attention.self(X)[0]                   # (n, N, 384): the 12 heads' contexts, concatenated
+        return _read_out(attention.output.dense(ctx[:, -1, :]), r)   # Wo ctx + bo, read out along r
+
+    return forward
+
+
+def minilm_layer_hf_oracle(layer: int, readout: int = 0, **kw) -> TorchOracle:
+    """A :class:`TorchOracle` on :func:`minilm_layer_hf_forward` (``kw``: budget, input_norm, transcript)."""
+    return TorchOracle(minilm_layer_hf_forward(layer, readout), D_MODEL,
+                       name=f"BertAttention(layer={layer})", **kw)
+
+
 # --------------------------------------------------------------------------- torch.nn.MultiheadAttention
 
 
-def torch_mha(d: int, seed: int):
-    """``nn.MultiheadAttention(d, 1, batch_first=True)`` with default init under ``manual_seed(seed)``."""
+def torch_mha(d: int, seed: int, heads: int = 1):
+    """``nn.MultiheadAttention(d, heads, batch_first=True)`` with default init under ``manual_seed(seed)``.
+
+    ``heads`` must divide ``d``; ``heads=1`` (the default) is the one-head target.
+    """
+    d, heads = int(d), int(heads)
+    if heads < 1 or d < 1 or d % heads:
+        raise ValueError(f"heads must be >= 1 and divide d, got d={d}, heads={heads}")
     torch = import_torch()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        mha = torch.nn.MultiheadAttention(int(d), 1, batch_first=True)
+        mha = torch.nn.MultiheadAttention(d, heads, batch_first=True)
     mha.eval()
     return mha
 
@@ -180,7 +225,13 @@ def torch_mha_forward(mha, *, readout: int = 0) -> Callable[[Any], Any]:
 
 
 def torch_mha_truth(mha, *, readout: int = 0) -> AttentionHead:
-    """(W, c, v, beta) of a one-head MultiheadAttention, in float64, for measuring errors only."""
+    """(W, c, v, beta) of a one-head MultiheadAttention, in float64, for measuring errors only.
+
+    For ``num_heads > 1`` use :func:`torch_mha_multihead_truth`.
+    """
+    if mha.num_heads != 1:
+        raise ValueError(f"torch_mha_truth is for one head; this module has {mha.num_heads}: "
+                         "use torch_mha_multihead_truth")
     d = mha.embed_dim
     f64 = np.float64
     Win = mha.in_proj_weight.detach().numpy().astype(f64)
@@ -195,5 +246,34 @@ def torch_mha_truth(mha, *, readout: int = 0) -> AttentionHead:
                          beta=float(r @ (Wo @ bv + bo)), dtype=f64)
 
 
-__all__ = ["TorchOracle", "load_minilm_hf", "minilm_hf_forward", "minilm_hf_oracle", "torch_mha",
-           "torch_mha_forward", "torch_mha_truth", "N_HEADS"]
+def torch_mha_multihead_truth(mha, *, readout: int = 0) -> MultiHeadAttention:
+    """(W_h, c_h, v_h, beta) of an H-head MultiheadAttention as a float64 :class:`MultiHeadAttention`.
+
+    Head h owns rows S_h (d/H of them) of the in-projections and columns S_h of out_proj; PyTorch scales
+    scores by 1/sqrt(d/H). beta = r^T (Wo bv + bo) is the whole layer's (bo once). For measuring
+    errors only. With ``num_heads == 1`` this is :func:`torch_mha_truth` as a one-head layer.
+    """
+    d, H = mha.embed_dim, mha.num_heads
+    if getattr(mha, "in_proj_weight", None) is None or mha.in_proj_bias is None or mha.out_proj.bias is None \
+            or mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError("only the packed in-projection with biases (the default MultiheadAttention) is supported")
+    dh = d // H
+    f64 = np.float64
+    Win = mha.in_proj_weight.detach().numpy().astype(f64)
+    bin_ = mha.in_proj_bias.detach().numpy().astype(f64)
+    Wq, Wk, Wv = Win[:d], Win[d:2 * d], Win[2 * d:]
+    bq, bv = bin_[:d], bin_[2 * d:]
+    Wo = mha.out_proj.weight.detach().numpy().astype(f64)
+    bo = mha.out_proj.bias.detach().numpy().astype(f64)
+    r = readout_vector(readout, d).astype(f64)
+    scale = 1.0 / np.sqrt(dh)
+    S = [slice(h * dh, (h + 1) * dh) for h in range(H)]
+    W = np.stack([Wk[s].T @ Wq[s] * scale for s in S])
+    C = np.stack([Wk[s].T @ bq[s] * scale for s in S])
+    V = np.stack([Wv[s].T @ (Wo[:, s].T @ r) for s in S])
+    return MultiHeadAttention(V=V, W=W, C=C, beta=float(r @ (Wo @ bv + bo)), dtype=f64)
+
+
+__all__ = ["TorchOracle", "load_minilm_hf", "minilm_hf_forward", "minilm_hf_oracle", "minilm_layer_hf_forward",
+           "minilm_layer_hf_oracle", "torch_mha", "torch_mha_forward", "torch_mha_truth",
+           "torch_mha_multihead_truth", "N_HEADS"]

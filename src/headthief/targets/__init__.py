@@ -78,6 +78,37 @@ register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero
                     _build_random))
 
 
+def _build_multihead(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from ..models.multihead import random_multihead
+    _check_keys("multihead", opts, {"d", "heads", "seed", "rank", "bias", "dtype", "subspaces", "identical"})
+    d = _int(opts, "d", lo=1)
+    H = _int(opts, "heads", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    rank = _int(opts, "rank", 0, lo=0) or None
+    bias = opts.get("bias", "0") in ("1", "true", "yes")
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    sub = opts.get("subspaces")
+    if sub not in (None, "orthogonal"):
+        raise SpecError(f"subspaces={sub!r}: use subspaces=orthogonal (or leave it out)")
+    identical = opts.get("identical", "0") in ("1", "true", "yes")
+    try:
+        model = random_multihead(d, H, rng=seed, rank=rank, bias=bias, subspaces=sub, identical=identical,
+                                 dtype=np.float32 if dtype == "float32" else np.float64)
+    except ValueError as e:
+        raise SpecError(f"{spec}: {e}") from None
+    return Target(spec=spec, d=d, bias=bias, truth=model, make_oracle=lambda **kw: ModelOracle(model, **kw),
+                  info={"dtype": dtype, "heads": H, "true_rank": rank or (d // H if sub else d),
+                        **({"subspaces": sub} if sub else {}), **({"identical": True} if identical else {})},
+                  bases=model._cache.get("bases"))
+
+
+register(TargetKind("multihead", "multihead:d=D,heads=H[,rank=R][,seed=S][,bias=1][,dtype=float32][,subspaces=orthogonal][,identical=1]",
+                    "seeded random multi-head attention (Section 7; orthogonal subspaces = Assumption C.1; "
+                    "identical=1 = Proposition 7.1's family)", _build_multihead))
+
+
 def resolve(spec: str, **ctx: Any) -> Target:
     """Turn a spec string into a :class:`Target`. ``ctx`` carries CLI settings (``d``, ``bias``)."""
     kind, sep, rest = spec.partition(":")

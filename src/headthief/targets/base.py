@@ -21,8 +21,9 @@ class Target:
     d: int
     bias: bool
     make_oracle: Callable[..., Oracle]
-    truth: AttentionHead | None = None
+    truth: Any = None                 # AttentionHead or MultiHeadAttention (None: unknown)
     info: dict[str, Any] = field(default_factory=dict)
+    bases: Any = None                 # known head subspaces (H, d, d_h), for multihead-subspaces
 
 
 @dataclass(frozen=True)

@@ -71,20 +71,61 @@ def _build_minilm_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Ta
 
 
 def _build_torch_mha(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
-    from ..models.torch_modules import TorchOracle, torch_mha, torch_mha_forward, torch_mha_truth
-    _check_keys("torch-mha", opts, {"d", "seed", "readout"})
+    from ..models.torch_modules import (TorchOracle, torch_mha, torch_mha_forward, torch_mha_multihead_truth,
+                                        torch_mha_truth)
+    _check_keys("torch-mha", opts, {"d", "seed", "readout", "heads"})
     d = _int(opts, "d", lo=1)
     seed = _int(opts, "seed", 0, lo=0)
     readout = _int(opts, "readout", 0, lo=0)
+    H = _int(opts, "heads", 1, lo=1)
     try:
-        mha = torch_mha(d, seed)
+        mha = torch_mha(d, seed, heads=H)
     except ImportError as e:
         raise SpecError(str(e)) from e
+    except ValueError as e:
+        raise SpecError(f"{spec}: {e}") from None
     forward = torch_mha_forward(mha, readout=readout)
-    return Target(spec=spec, d=d, bias=True, truth=torch_mha_truth(mha, readout=readout),
-                  make_oracle=lambda **kw: TorchOracle(forward, d, name=f"MultiheadAttention({d}, 1)", **kw),
-                  info={"seed": seed, "readout": readout, "dtype": "float32", "true_rank": d,
+    truth = torch_mha_truth(mha, readout=readout) if H == 1 else torch_mha_multihead_truth(mha, readout=readout)
+    return Target(spec=spec, d=d, bias=True, truth=truth,
+                  make_oracle=lambda **kw: TorchOracle(forward, d, name=f"MultiheadAttention({d}, {H})", **kw),
+                  info={"seed": seed, "readout": readout, "dtype": "float32", "true_rank": d // H, "heads": H,
                         "black_box": "torch.nn.MultiheadAttention"})
+
+
+def _layer(kind: str, opts: dict[str, str]) -> tuple[int, int]:
+    from ..models.minilm import N_LAYERS
+    _check_keys(kind, opts, {"layer", "readout"})
+    layer = _int(opts, "layer", lo=0)
+    if layer >= N_LAYERS:
+        raise SpecError(f"layer={layer}: all-MiniLM-L6-v2 has layers 0..{N_LAYERS - 1}")
+    return layer, _int(opts, "readout", 0, lo=0)
+
+
+def _build_minilm_layer(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from ..models.minilm import D_MODEL, N_HEADS, minilm_layer, minilm_layer_truth
+    from ..oracles.base import ModelOracle
+    layer, readout = _layer("minilm-layer", opts)
+    try:
+        model = minilm_layer(layer, readout)
+        truth = minilm_layer_truth(layer, readout)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth, make_oracle=lambda **kw: ModelOracle(model, **kw),
+                  info={**_minilm_info(layer, None, readout, dtype="float32", black_box="numpy"), "heads": N_HEADS})
+
+
+def _build_minilm_layer_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from ..models.minilm import D_MODEL, N_HEADS, minilm_layer_truth
+    from ..models.torch_modules import TorchOracle, minilm_layer_hf_forward
+    layer, readout = _layer("minilm-layer-hf", opts)
+    try:
+        forward = minilm_layer_hf_forward(layer, readout)
+        truth = minilm_layer_truth(layer, readout)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth,
+                  make_oracle=lambda **kw: TorchOracle(forward, D_MODEL, name=f"transformers BertAttention layer {layer}", **kw),
+                  info={**_minilm_info(layer, None, readout, dtype="float32", black_box="transformers"), "heads": N_HEADS})
 
 
 register(TargetKind("minilm", "minilm:layer=L,head=H[,readout=SEED]",
@@ -93,6 +134,12 @@ register(TargetKind("minilm", "minilm:layer=L,head=H[,readout=SEED]",
 register(TargetKind("minilm-hf", "minilm-hf:layer=L,head=H[,readout=SEED]",
                     "the same head answered by transformers' BertAttention forward (needs torch, transformers)",
                     _build_minilm_hf))
-register(TargetKind("torch-mha", "torch-mha:d=D[,seed=S][,readout=SEED]",
-                    "torch.nn.MultiheadAttention(D, 1 head), default init under manual_seed(S) (needs torch)",
+register(TargetKind("torch-mha", "torch-mha:d=D[,heads=H][,seed=S][,readout=SEED]",
+                    "torch.nn.MultiheadAttention(D, H heads, default 1), default init under manual_seed(S) (needs torch)",
                     _build_torch_mha))
+register(TargetKind("minilm-layer", "minilm-layer:layer=L[,readout=SEED]",
+                    "all 12 heads of an all-MiniLM-L6-v2 attention layer (numpy float32, every bias)",
+                    _build_minilm_layer))
+register(TargetKind("minilm-layer-hf", "minilm-layer-hf:layer=L[,readout=SEED]",
+                    "the same layer answered by transformers' BertAttention forward (needs torch, transformers)",
+                    _build_minilm_layer_hf))
