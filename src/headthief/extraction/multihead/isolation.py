@@ -43,8 +43,8 @@ rough values ``H (d + 1)``, anchor isolation ``H d``, exact values ``H (d + 1)``
 ``d (d - H + 1)`` direct plus ``2 d (H - 1)`` cross coordinates (read twice: the second reading, see
 :func:`_read_cross_tight`, takes them from ~1e-10 to the answers' precision). Biases add
 ``H (d + H - 1) + 1``; float32 answers a second anchor and value pass, ``H (2 d + 1)``. Low-rank heads
-of rank r read ``ell = r`` sketch rows (``r + 1 - 1 = r`` with the w_h row when the rank is detected,
-``r + 10`` on float32) and ``(d - H - ell) r`` completion coordinates instead of ``d - H`` rows. See
+of rank r read ``ell = r`` sketch rows (``r + 9`` on float32; with the rank detected, the w_h row is the
+extra row that shows the rank has stopped growing) and ``(d - H - ell) r`` completion coordinates instead of ``d - H`` rows. See
 :func:`multihead_query_count`.
 
 Limits: needs ``d - H >= 2`` and linearly independent v_h; heads whose score vectors are positive or
@@ -681,8 +681,7 @@ def extract_multihead(
             raises :class:`ModelMismatch` when its count differs. None: detect, at most ``max_heads``.
         max_heads: the most heads auto-detection accepts (bounds the switch search).
         rank: every head's rank if known (low-rank sketches); None detects each head's rank (a dense
-            head costs exactly as much as with ``rank=d``; a low-rank one one sketch row less than
-            its rank would suggest, as the w_h row counts).
+            head costs exactly as much as with ``rank=d``).
         bias: the target may have score biases c_h and an output bias beta.
         rng: generator or seed (half circles, anchor token, sketch directions).
         progress: called with the oracle's query count after each oracle call.
