@@ -28,8 +28,13 @@ answers, 0.3 for float32 answers with Richardson) by a small query token ``q = s
 **How many Hessians.** On ``U_h`` each ``M(q)`` has rank 2 (it lives on ``span(a_h, v_h)``): one Hessian
 cannot reveal a subspace of dimension above 2. ``K`` Hessians with random ``q_1..q_K`` span
 ``span(v_h, W_h q_1, ..., W_h q_K)``, which is ``U_h`` once ``K >= d_h - 1`` (``W_h`` of full rank on
-``U_h``). By default ``K`` grows one Hessian at a time until the common kernel of the ``M(q_k)`` stops
-shrinking (or is empty); the paper's ``q = e_1..e_d`` (``tokens="basis"``) costs d Hessians.
+``U_h``). By default ``K`` grows one Hessian at a time until the common kernel of the ``M(q_k)`` is
+empty or stops shrinking, *and* the singular values (of the stacked matrices and of the commutator map) split
+clearly into noise and signal: a factor 30 between them, the noise ones within a factor 4 of each other
+(a block that is nearly reducible with few Hessians, e.g. a 2 x 2 block seen by two nearly commuting
+matrices under float32 noise, shows a singular value among or just above the noise ones, and asks for
+one more Hessian); the paper's
+``q = e_1..e_d`` (``tokens="basis"``) costs d Hessians.
 
 **Finest simultaneous block diagonalisation** (:func:`block_diagonalize`), after Murota, Kanno, Kojima
 and Kojima (2010) and the error-controlled variant of Maehara and Murota (2011): restrict to the range of
@@ -76,32 +81,12 @@ from .subspaces import extract_multihead_subspaces
 
 PILOT = 4                 # f(0) answers read before choosing the step (precision detection)
 SAFETY = 3.0              # thresholds: this many times the estimated noise's singular values
+GAP = 30.0                # noise and signal singular values must be this far apart ...
+SPREAD = 4.0              # ... and the noise ones within this factor of each other, else add a Hessian
 
 
 # ----------------------------------------------------------------------------------------------------
 # Hessians of the probe function from value queries
-
-
-@dataclass(frozen=True, eq=False)
-class ProbeHessians:
-    """Estimated ``M(q_k) = sum_h (a_h v_h^T + v_h a_h^T)`` (four times the probe Hessian at z = 0).
-
-    Attributes:
-        M: (K, d, d) symmetric estimates.
-        tokens: (K, d) the query tokens q_k used.
-        noise: (K,) estimated absolute error of each M_k (Frobenius): rounding plus what the
-            Richardson pair says about truncation.
-        queries: oracle queries spent.
-        float32_answers: the answers looked float32.
-        step: the target logit used.
-    """
-
-    M: np.ndarray
-    tokens: np.ndarray
-    noise: np.ndarray
-    queries: int
-    float32_answers: bool
-    step: float
 
 
 def _patterns(d: int) -> np.ndarray:
@@ -259,6 +244,18 @@ def _group_by_signature(Q: np.ndarray, N: np.ndarray, cos: float = 0.5) -> list[
     return groups
 
 
+def _ambiguous(values: np.ndarray, tau: float) -> int:
+    """1 when the split of ``values`` at ``tau`` into noise and signal is unclear, else 0: the signal's
+    smallest is within GAP of the noise's largest (or within 3 tau when there is no noise part), or the
+    noise part spreads over more than SPREAD (a real singular value hiding among noise ones)."""
+    noise, signal = values[values <= tau], values[values > tau]
+    if len(signal) and signal.min() < (GAP * noise.max() if len(noise) else 3 * tau):
+        return 1
+    if len(noise) > 1 and noise.max() > SPREAD * max(noise.min(), 1e-300):
+        return 1
+    return 0
+
+
 def _coupling(A: np.ndarray, Bs: list[np.ndarray]) -> np.ndarray:
     n = len(Bs)
     C = np.zeros((n, n))
@@ -382,12 +379,13 @@ def block_diagonalize(
         Bs = [np.concatenate([Bs[i] for i in comp], axis=1) for comp in comps]
         C = _coupling(A, Bs)
     bases = tuple(R @ B for B in Bs)
+    amb = _ambiguous(s_all, tau_k) + _ambiguous(sv_n[1:], tau_c)
     return BlockDiagonalization(
         bases=bases, kernel=kernel, commutant_sv=sv_n[:min(len(sv_n), m + 4)], blocks_detected=detected,
         coupling=float(C.max()) if len(Bs) > 1 else 0.0,
         diagnostics={"range_dim": r, "kernel_sv": s_all[r - 1:r + 1].tolist() if r < d else [float(s_all[-1])],
                      "tau_kernel": float(tau_k), "tau_commutant": float(tau_c), "tau_merge": float(tau_m),
-                     "merged": merged, "scale": scale, "rel_noise": rel_noise,
+                     "merged": merged, "ambiguous": amb, "scale": scale, "rel_noise": rel_noise,
                      "commutant_gap": float(sv_n[m] / max(sv_n[m - 1], 1e-300)) if m < len(sv_n) else None})
 
 
@@ -469,8 +467,10 @@ def extract_multihead_hessian(
     s = float(step) if step is not None else default_step(single, richardson)
     rho, t = (1.0, s) if bias else (s, 1.0)
 
-    Ms, noises, used = [], [], []
+    Ms, noises = [], []
     kernel_dims: list[int] = []
+    ambiguous: list[int] = []
+    bd = None
     for k in range(K_max):
         q = rho * dirs[k]
         if k < n_pilot:      # f([q; q]) = beta + q^T sum_h v_h: linear in q when beta = 0 (rho < 1)
@@ -481,22 +481,31 @@ def extract_multihead_hessian(
                                progress=progress)
         Ms.append(Mk)
         noises.append(nk)
-        used.append(q)
-        if hessians is None and k >= 1:
-            sc = max(np.linalg.norm(m_) for m_ in Ms)
-            sv = np.linalg.svd(np.concatenate(Ms, axis=1) / sc, compute_uv=False)
-            sv = np.concatenate([sv, np.zeros(d - len(sv))])
-            tau = SAFETY * max(max(noises) / sc, 1e-16) * np.sqrt(len(Ms) / d)
-            kernel_dims.append(int(np.sum(sv <= tau)))
-            if kernel_dims[-1] == 0 or (len(kernel_dims) >= 2 and kernel_dims[-1] >= kernel_dims[-2]):
-                break
+        if hessians is not None or k == 0:
+            continue
+        # adaptive K: stop once the common kernel is empty or stopped shrinking, and the singular values
+        # (of the stacked matrices and of the commutator map) split clearly into noise and signal
+        try:
+            bd = block_diagonalize(np.stack(Ms), blocks=None, noise=max(noises), rng=rng)
+        except ConvergenceError:
+            if k == K_max - 1:
+                raise
+            bd = None                   # the commutant did not split cleanly: one more Hessian
+            ambiguous.append(1)
+            continue
+        kernel_dims.append(bd.kernel.shape[1])
+        ambiguous.append(int(bd.diagnostics["ambiguous"]))
+        settled = kernel_dims[-1] == 0 or (len(kernel_dims) >= 2 and kernel_dims[-1] >= kernel_dims[-2])
+        if settled and not ambiguous[-1]:
+            break
     hq = oracle.queries - q0
-    M = np.stack(Ms)
-    bd = block_diagonalize(M, blocks=heads, noise=max(noises), rng=rng)
+    if heads is not None or bd is None:
+        bd = block_diagonalize(np.stack(Ms), blocks=heads, noise=max(noises), rng=rng)
     sub = extract_multihead_subspaces(oracle, list(bd.bases), bias=bias, progress=progress, rng=rng)
     diagnostics = {
         "hessians": len(Ms), "hessian_queries": hq, "subspace_queries": sub.queries,
-        "kernel_dims": kernel_dims, "step": s, "richardson": richardson, "float32_answers": single,
+        "kernel_dims": kernel_dims, "ambiguous": ambiguous, "step": s, "richardson": richardson,
+        "float32_answers": single,
         "hessian_noise": float(max(noises)), "blocks": bd.dims, "blocks_detected": bd.blocks_detected,
         "commutant_sv": bd.commutant_sv.tolist(), "coupling": bd.coupling, "kernel_dim": bd.kernel.shape[1],
         **{f"bd_{k}": v for k, v in bd.diagnostics.items()},
