@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
                       OracleError, SpecError)
 from ..methods import METHODS, build_oracle, input_norm_for
-from ..oracles.base import WrappedOracle
+from ..oracles.base import oracle_stack
 from ..targets import Target, resolve
 
 
@@ -231,12 +231,6 @@ def open_journal(args):
     return j
 
 
-def _innermost(oracle):
-    while isinstance(oracle, WrappedOracle):
-        oracle = oracle.inner
-    return oracle
-
-
 def cmd_extract(args) -> int:
     from ..errors import ModelMismatch
     from ..oracles.journal import JournalError
@@ -295,7 +289,7 @@ def cmd_extract(args) -> int:
         print(f"headthief: warning: {res.diagnostics['warning']}", file=sys.stderr)
     fidelity = None
     mc = res.check
-    clean = oracle is _innermost(oracle)
+    clean = len(oracle_stack(oracle)) == 1
     if mc is not None and mc.figure is not None and clean:
         from ..extraction.result import Fidelity
         fidelity = Fidelity(n=args.verify, queries=mc.verify_queries, max_abs_err=float("nan"), rms_true=float("nan"),
@@ -311,7 +305,7 @@ def cmd_extract(args) -> int:
         res.save(args.save)
     row = report(target, args.method, res, fidelity, args)
     if journal is not None:
-        inner = _innermost(oracle)
+        inner = oracle_stack(oracle)[-1]
         row["journal_replayed"] = inner.replayed
         row["journal_sent"] = inner.fresh
         row["transcript_replayed"], row["transcript_sent"] = inner.replayed, inner.fresh   # the old names

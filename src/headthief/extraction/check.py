@@ -37,13 +37,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import BudgetExceeded, ModelMismatch, NotIdentifiable
-from ..oracles.base import Oracle, WrappedOracle
+from ..oracles.base import Oracle, oracle_stack
 from .result import random_sequences
 
 SINGLE = "single-head attention"
@@ -89,7 +89,6 @@ class ModelCheck:
     threshold: float | None = None
     verify_queries: int = 0
     detail: str = ""
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "model": self.model, "answers": self.answers,
@@ -134,16 +133,11 @@ def answer_kind(oracle: Oracle, answers: np.ndarray | None = None) -> AnswerKind
     from ..oracles.tolerance import Tolerance
     from .probes import looks_float32
     sign, tau = False, 0.0
-    o = oracle
-    while True:
+    for o in oracle_stack(oracle):
         if isinstance(o, SignOnly):
             sign = True
         elif isinstance(o, Tolerance):
             tau += o.tau
-        if isinstance(o, WrappedOracle):
-            o = o.inner
-        else:
-            break
     f32 = bool(answers is not None and not sign and looks_float32(answers))
     return AnswerKind(sign=sign, tau=tau, float32=f32)
 
@@ -195,10 +189,10 @@ def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
     z = np.zeros(d)
     seqs = [[z], [a], [b], [a + b], [c], [a, b], [c, b], [a, c, b], [c, a, b], [a, a, b, b],
             [A], [B], [C], [A, B], [C, B], [A, C, B]]
-    if R is not None:     # a + b must stay inside the bound
-        ab = np.linalg.norm(a + b)
-        if ab > R:
-            seqs[3] = [(a + b) * (R / ab)]
+    ab = float(np.linalg.norm(a + b))
+    ab_scaled = R is not None and ab > R
+    if ab_scaled:         # a + b must stay inside the bound (the affinity identity is then not tested)
+        seqs[3] = [(a + b) * (R / ab)]
     q0 = oracle.queries
     y = oracle.query([np.asarray(s) for s in seqs])
     spent = oracle.queries - q0
@@ -212,7 +206,7 @@ def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
         ids += _sign_identities(y, bias=bias, single=single)
     else:
         ids += _value_identities(y, kind, d, bias=bias, single=single,
-                                 ab_scaled=(R is not None and np.linalg.norm(a + b) > R))
+                                 ab_scaled=ab_scaled)
     # a constant target: nothing depends on the tokens
     if not kind.sign:
         M = float(np.max(np.abs(y)))
@@ -422,16 +416,9 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
     return mc
 
 
-def _stack(oracle: Oracle) -> list[Oracle]:
-    out = [oracle]
-    while isinstance(out[-1], WrappedOracle):
-        out.append(out[-1].inner)
-    return out
-
-
 def counters(oracle: Oracle) -> dict[str, float]:
     """The oracle stack's counters: queries, calls, seconds inside the black box, replayed answers."""
-    st = _stack(oracle)
+    st = oracle_stack(oracle)
     return {"queries": oracle.queries, "calls": oracle.calls, "seconds": st[-1].seconds,
             "replayed": sum(o.replayed for o in st)}
 

@@ -84,19 +84,7 @@ class Extraction:
         Sequences have Gaussian entries and lengths 1..``max_len`` (tokens are rescaled to the oracle's
         input-norm bound, if it has one). Only the queries made here are counted in the result.
         """
-        batch = random_sequences(self.d, n, rng=rng, max_len=max_len, input_norm=oracle.input_norm)
-        before = oracle.queries
-        y_true = oracle.query(batch)
-        spent = oracle.queries - before
-        y_hat = self.head().evaluate(batch)
-        if not self.v_scale_known:
-            # only the direction of v is identified: compare after the best positive rescaling
-            a = float(y_hat @ y_true) / max(float(y_hat @ y_hat), 1e-300)
-            y_hat = y_hat * max(a, 0.0)
-        err = np.abs(y_hat - y_true)
-        rms = float(np.sqrt(np.mean(y_true ** 2)))
-        return Fidelity(n=n, queries=spent, max_abs_err=float(err.max()), rms_true=rms,
-                        max_rel_err=float(err.max() / max(rms, 1e-300)))
+        return fidelity(self, oracle, n, rng=rng, max_len=max_len)
 
     def errors(self, truth: AttentionHead) -> dict[str, float | None]:
         """Parameter errors against a known head: ``X_rel_err = ||X_hat - X|| / ||X||``.
@@ -130,6 +118,24 @@ class Extraction:
         if self.beta is not None:
             arrays["beta"] = np.float64(self.beta)
         np.savez(path, **arrays)
+
+
+def fidelity(res, oracle: Oracle, n: int, *, rng: np.random.Generator | int = 0, max_len: int = 32) -> Fidelity:
+    """Compare ``res.predict`` with ``oracle`` on ``n`` fresh :func:`random_sequences` (the ``verify`` of
+    every result type). When only v's direction is identified (``res.v_scale_known`` False) the
+    predictions are compared after the best positive rescaling."""
+    batch = random_sequences(res.d, n, rng=rng, max_len=max_len, input_norm=oracle.input_norm)
+    before = oracle.queries
+    y_true = oracle.query(batch)
+    spent = oracle.queries - before
+    y_hat = res.predict(batch)
+    if not res.v_scale_known:
+        a = float(y_hat @ y_true) / max(float(y_hat @ y_hat), 1e-300)
+        y_hat = y_hat * max(a, 0.0)
+    err = np.abs(y_hat - y_true)
+    rms = float(np.sqrt(np.mean(y_true ** 2)))
+    return Fidelity(n=n, queries=spent, max_abs_err=float(err.max()), rms_true=rms,
+                    max_rel_err=float(err.max() / max(rms, 1e-300)))
 
 
 def random_sequences(d: int, n: int, *, rng: np.random.Generator | int = 0, max_len: int = 32,

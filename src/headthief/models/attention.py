@@ -109,17 +109,7 @@ class AttentionHead:
         Sequences are grouped by length and each group is evaluated in one vectorised pass with a
         max-shifted (numerically stable) softmax. Returns float64 values of shape (n,).
         """
-        if isinstance(batch, np.ndarray):
-            if batch.ndim != 3:
-                raise InvalidQuery(f"a batch array must be (n, N, d), got shape {batch.shape}")
-            return self._evaluate_group(batch)
-        out = np.empty(len(batch), dtype=np.float64)
-        groups: dict[int, list[int]] = {}
-        for i, X in enumerate(batch):
-            groups.setdefault(np.shape(X)[0], []).append(i)
-        for _, idx in groups.items():
-            out[idx] = self._evaluate_group(np.stack([batch[i] for i in idx]))
-        return out
+        return evaluate_by_length(self._evaluate_group, batch)
 
     def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
         dt = self.dtype
@@ -148,6 +138,22 @@ class AttentionHead:
         if self.beta is not None:
             out = out + dt(self.beta)
         return out.astype(np.float64)
+
+
+def evaluate_by_length(evaluate_group, batch: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
+    """Evaluate a batch with ``evaluate_group((n, N, d) array) -> (n,)``: an array in one pass, a list of
+    sequences grouped by length (one vectorised pass per length). Returns float64 values of shape (n,)."""
+    if isinstance(batch, np.ndarray):
+        if batch.ndim != 3:
+            raise InvalidQuery(f"a batch array must be (n, N, d), got shape {batch.shape}")
+        return evaluate_group(batch)
+    out = np.empty(len(batch), dtype=np.float64)
+    groups: dict[int, list[int]] = {}
+    for i, X in enumerate(batch):
+        groups.setdefault(np.shape(X)[0], []).append(i)
+    for idx in groups.values():
+        out[idx] = evaluate_group(np.stack([batch[i] for i in idx]))
+    return out
 
 
 def random_head(

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidQuery
-from .attention import AttentionHead
+from .attention import AttentionHead, evaluate_by_length
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,17 +108,7 @@ class MultiHeadAttention:
 
     def evaluate(self, batch: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
         """Evaluate a batch: a list of (N_i, d) arrays or an (n, N, d) array; float64 values (n,)."""
-        if isinstance(batch, np.ndarray):
-            if batch.ndim != 3:
-                raise InvalidQuery(f"a batch array must be (n, N, d), got shape {batch.shape}")
-            return self._evaluate_group(batch)
-        out = np.empty(len(batch), dtype=np.float64)
-        groups: dict[int, list[int]] = {}
-        for i, X in enumerate(batch):
-            groups.setdefault(np.shape(X)[0], []).append(i)
-        for _, idx in groups.items():
-            out[idx] = self._evaluate_group(np.stack([batch[i] for i in idx]))
-        return out
+        return evaluate_by_length(self._evaluate_group, batch)
 
     def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
         dt = self.dtype

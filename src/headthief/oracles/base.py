@@ -236,3 +236,11 @@ class WrappedOracle(Oracle):
 
     def _transform(self, X, y: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def oracle_stack(oracle: Oracle) -> list[Oracle]:
+    """The oracle and every oracle it wraps, outermost first (the last one is the black box itself)."""
+    out = [oracle]
+    while isinstance(out[-1], WrappedOracle):
+        out.append(out[-1].inner)
+    return out

@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import HeadthiefError, SpecError
+from .transcript import Transcript
 
 FORMAT = "headthief-journal-1"
 
@@ -77,8 +78,8 @@ def _wal_tail(path: Path) -> int:
     return (size - 32) % frame if page else 0
 
 
-class Journal:
-    """Durable (batch hash -> answers) store with the interface of :class:`~headthief.oracles.Transcript`.
+class Journal(Transcript):
+    """A :class:`~headthief.oracles.Transcript` whose every record is also written durably to SQLite.
 
     Args:
         path: the journal file (created when missing).
@@ -87,6 +88,7 @@ class Journal:
     """
 
     def __init__(self, path: str | os.PathLike, fingerprint: Mapping[str, Any] | None = None):
+        super().__init__()
         self.path = Path(path)
         self.fingerprint = dict(fingerprint or {})
         self.torn = _wal_tail(self.path) if self.path.exists() else 0
@@ -125,30 +127,14 @@ class Journal:
                 self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
                     ("format", FORMAT), ("fingerprint", json.dumps(self.fingerprint, sort_keys=True)),
                     ("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))])
-        self._answers: dict[bytes, np.ndarray] = {}
         for rid, key, n, blob, chk in rows:
             if _checksum(key, n, blob) != chk or len(blob) != 8 * n:
                 raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
                                    "move it aside to start afresh")
             self._answers[bytes(key)] = np.frombuffer(blob, dtype="<f8").astype(np.float64)
-        self.loaded = len(self._answers)
-        self.loaded_queries = self.queries
 
     def __repr__(self) -> str:
         return f"Journal({str(self.path)!r}, batches={len(self)})"
-
-    def __len__(self) -> int:
-        return len(self._answers)
-
-    @property
-    def queries(self) -> int:
-        return int(sum(a.shape[0] for a in self._answers.values()))
-
-    def lookup(self, key: bytes, n: int) -> np.ndarray | None:
-        y = self._answers.get(key)
-        if y is None or y.shape[0] != n:
-            return None
-        return y.copy()
 
     def record(self, key: bytes, y: np.ndarray) -> None:
         """Write one answered batch durably (committed and fsync'ed) before it is used."""
@@ -160,7 +146,7 @@ class Journal:
                              (key, n, blob, _checksum(key, n, blob)))
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
-        self._answers[key] = y.astype(np.float64)
+        super().record(key, y)
 
     def close(self) -> None:
         try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...models.multihead import MultiHeadAttention
 from ...oracles.base import Oracle
-from ..result import Fidelity, random_sequences, rel_err
+from ..result import Fidelity, fidelity, rel_err
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,14 +88,7 @@ class MultiHeadExtraction:
     def verify(self, oracle: Oracle, n: int = 256, *, rng: np.random.Generator | int = 0,
                max_len: int = 32) -> Fidelity:
         """Compare with ``oracle`` on ``n`` fresh random sequences (as :meth:`Extraction.verify`)."""
-        batch = random_sequences(self.d, n, rng=rng, max_len=max_len, input_norm=oracle.input_norm)
-        before = oracle.queries
-        y_true = oracle.query(batch)
-        spent = oracle.queries - before
-        err = np.abs(self.predict(batch) - y_true)
-        rms = float(np.sqrt(np.mean(y_true ** 2)))
-        return Fidelity(n=n, queries=spent, max_abs_err=float(err.max()), rms_true=rms,
-                        max_rel_err=float(err.max() / max(rms, 1e-300)))
+        return fidelity(self, oracle, n, rng=rng, max_len=max_len)
 
     def errors(self, truth: MultiHeadAttention) -> dict[str, Any]:
         """Errors against a known layer, after canonical form and matching (worst head and per head).
