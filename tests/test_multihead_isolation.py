@@ -80,6 +80,22 @@ def test_float32_target_at_float32_precision():
     assert res.diagnostics["planned_queries"] == multihead_query_count(16, 3, bias=True, float32=True)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_zero_score_biases_with_bias_flag(dtype):
+    """torch's default in_proj_bias is zero: every c_h = 0, so no head can be switched off at the zero
+    token; the cross coordinates of c_h come from the mirror token -e_1 (regression: this raised
+    ConvergenceError on torch-mha and on MiniLM layer 2)."""
+    base = random_multihead(16, 3, rng=6, bias=True)
+    model = MultiHeadAttention(V=base.V, W=base.dense_W(), C=np.zeros((3, 16)), beta=0.25, dtype=dtype)
+    res = extract_multihead(ModelOracle(model), bias=True)
+    e = worst_errors(res, model.dense_W(), model.V.astype(np.float64))
+    tol = 1e-9 if dtype is np.float64 else 2e-5
+    assert e["W"] <= tol and e["v"] <= tol
+    assert np.max(np.abs(res.C)) <= tol * np.max(np.abs(model.dense_W()))
+    assert res.beta == pytest.approx(0.25, abs=1e-6)
+    assert res.queries == planned(res)
+
+
 @pytest.mark.parametrize("H", [1, 2, 3, 5])
 def test_head_count_detected(H):
     for seed in (11, 12):

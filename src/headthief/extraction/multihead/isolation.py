@@ -42,7 +42,7 @@ search (a few hundred queries, reported as ``diagnostics["switch_search_queries"
 rough values ``H (d + 1)``, anchor isolation ``H d``, exact values ``H (d + 1)``, and per head
 ``d (d - H + 1)`` direct plus ``2 d (H - 1)`` cross coordinates (read twice: the second reading, see
 :func:`_read_cross_tight`, takes them from ~1e-10 to the answers' precision). Biases add
-``H (d + H - 1) + 1``; float32 answers a second anchor and value pass, ``H (2 d + 1)``. Low-rank heads
+``H (d + H - 1) + 1`` plus ``H (1 + min(16, ell))`` for the mirror token ``-e_1`` (see :func:`_cross_with_bias`); float32 answers a second anchor and value pass, ``H (2 d + 1)``. Low-rank heads
 of rank r read ``ell = r`` sketch rows (``r + 9`` on float32; with the rank detected, the w_h row is the
 extra row that shows the rank has stopped growing) and ``(d - H - ell) r`` completion coordinates instead of ``d - H`` rows. See
 :func:`multihead_query_count`.
@@ -76,6 +76,10 @@ T_TARGET = {False: 1.0, True: 3.0}
 FLOAT32_OVERSAMPLE = 10
 """Extra sketch rows per low-rank head on float32 answers."""
 
+CROSS_ROWS = 16
+"""psi rows read on the mirror token ``-e_1`` (they steer the switch-off direction of the cross probes)."""
+
+
 PROPOSITION_7_1 = (
     "heads with equal (W_h, c_h) are one head in canonical form (Proposition 7.1): if the target has such "
     "heads they are returned merged, with their v_h summed; how v splits among them is not identifiable "
@@ -107,7 +111,14 @@ def multihead_query_count(d: int, heads: int, rank: int | None = None, bias: boo
     if ell < d - H:
         r = rank
         per_head += (d - H - ell) * r + (d - H - ell if bias else 0)
-    return count + H * per_head
+    return count + H * per_head + _mirror(d, H, ell, bias)
+
+
+def _mirror(d: int, H: int, ell_min: int, bias: bool) -> int:
+    """Queries of the mirror token ``-e_1`` (own coordinates; see :func:`_cross_with_bias`)."""
+    if not bias or H < 2:
+        return 0
+    return H * (1 + int(min(d - H, max(2, min(CROSS_ROWS, ell_min)))))
 
 
 def _planned(d, H, rank, bias, single, ranks, ell) -> int:
@@ -119,8 +130,10 @@ def _planned(d, H, rank, bias, single, ranks, ell) -> int:
         r = None if ell[h] >= free else int(ranks[h])
         one = multihead_query_count(d, H, r if rank is None else rank, bias, float32=single,
                                     detect=rank is None)
+        one -= _mirror(d, H, _rows_planned(d, H, r if rank is None else rank,
+                                           FLOAT32_OVERSAMPLE if single else 0, rank is None), bias)
         total += (one - shared) // H
-    return int(total)
+    return int(total + _mirror(d, H, int(np.min(ell)), bias))
 
 
 def _shared(d, H, bias, single) -> int:
@@ -352,14 +365,16 @@ class _Reader:
         self.ask = ask
         self.single = single
         self.scaler = ProbeScaler(T=T_TARGET[single])
+        self.fallbacks = 0
 
-    def read(self, B, base, U, a, sat=None, extra=None) -> np.ndarray:
+    def read(self, B, base, U, a, sat=None, extra=None, fallback=None) -> np.ndarray:
         """Query ``[B_k + s_k U_k + T_k Y_k ; B_k]``; the answer minus ``base_k`` is
         ``sigma(s u^T m_h + T yh) s a``. ``sat = (Y, yg, yh, bound)``: the switched-off head has
         ``y^T m_g = yg < 0`` and ``|u^T m_g| <= bound``; ``T`` is chosen so its logit is below ``-L_SAT``.
         Returns ``u_k^T m_h(B_k)``; probes that saturate are asked again at smaller scales.
         ``extra(k, s) -> (D, offset, gain)``: a probe part chosen once ``s`` is known; the reading is
-        then ``(logit - offset) / gain``."""
+        then ``(logit - offset) / gain``. ``fallback``: readings kept (and counted in ``fallbacks``)
+        for probes still saturated after the last re-ask, instead of a :class:`ConvergenceError`."""
         n = U.shape[0]
         norms = np.linalg.norm(U, axis=1)
         out = np.empty(n)
@@ -391,8 +406,11 @@ class _Reader:
                     break
                 todo = sc.reask(kappa, todo, bad, tl)
             else:
-                raise ConvergenceError(
-                    f"{todo.size} isolation probe(s) still saturated after {sc.max_retries} re-asks")
+                if fallback is None:
+                    raise ConvergenceError(
+                        f"{todo.size} isolation probe(s) still saturated after {sc.max_retries} re-asks")
+                out[idx[todo]] = fallback[idx[todo]]
+                self.fallbacks += int(todo.size)
             if extra is None:
                 sc.update(out[idx], norms[idx])
             start = stop
@@ -527,7 +545,9 @@ def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, e
         return D, offset, gain
 
     U = ah[:, None] * basis.Wd[:, hh].T
-    val = reader.read(B[kk], base[kk], U, ah, extra=extra)
+    # a pair whose head g barely scores along w_g needs a huge A; if that probe never reads, the first
+    # reading (~1e-8 on float64 answers) is kept: counted in diagnostics["tight_fallbacks"]
+    val = reader.read(B[kk], base[kk], U, ah, extra=extra, fallback=X0)
     mu[hh, kk, gg] = val / ag
 
 
@@ -615,10 +635,13 @@ def _scores(reader: _Reader, ask: _Asker, basis: _Basis, tokens: np.ndarray, bas
         for h in range(H):
             if ell[h] < free:
                 _fill_rows(reader, basis, tokens[:1], base[:1], mu[:, :1], [h], int(ell[h]), free)
-    ask.phase = "score_cross"
-    _read_cross(reader, basis, tokens, base, mu, tight=False)
-    ask.phase = "score_cross_tight"
-    _read_cross(reader, basis, tokens, base, mu, tight=True)
+    if bias and H > 1:
+        _cross_with_bias(reader, ask, basis, tokens, base, mu, ell, beta, v_sum)
+    else:
+        ask.phase = "score_cross"
+        _read_cross(reader, basis, tokens, base, mu, tight=False)
+        ask.phase = "score_cross_tight"
+        _read_cross(reader, basis, tokens, base, mu, tight=True)
     ask.phase = "score_complete"
     W = np.empty((H, d, d))
     C = np.zeros((H, d))
@@ -643,6 +666,35 @@ def _scores(reader: _Reader, ask: _Asker, basis: _Basis, tokens: np.ndarray, bas
         W[h] = basis.Phi_inv_T @ G
         C[h] = basis.Phi_inv_T @ c_coord
     return W, C, ranks, ell
+
+
+def _cross_with_bias(reader, ask, basis, tokens, base, mu, ell, beta, v_sum) -> None:
+    """Cross coordinates with score biases: on the tokens ``e_j`` as usual; for the bias, whose score
+    vector ``m_h(0) = c_h`` may be tiny or zero (torch's default ``in_proj_bias`` is zero), no head can
+    be switched off at the zero token. ``m_h`` is affine, so ``c_h = (m_h(e_1) + m_h(-e_1)) / 2``: the
+    cross coordinates are read on the mirror token ``-e_1`` instead (its one-token answer
+    ``beta - (sum_h v_h)_1`` is known) and averaged with those of ``e_1``. Costs ``H (1 + rows)`` queries
+    for the mirror token's own coordinates; the cross readings replace those of the zero token."""
+    H, d = basis.V.shape
+    n = tokens.shape[0]
+    mirror = -tokens[1:2]
+    mbase = np.array([beta - float(v_sum[0])])
+    mm = np.full((H, 1, d), np.nan)
+    ask.phase = "score_cross"
+    _isolate_full(reader, basis, mirror, mbase, rows=0, mu=mm, cross=False)
+    rows = int(min(d - H, max(2, min(CROSS_ROWS, int(ell.min())))))
+    _fill_rows(reader, basis, mirror, mbase, mm, list(range(H)), 0, rows)
+    toks = np.vstack([tokens[1:], mirror])
+    bases = np.concatenate([base[1:], mbase])
+    mx = np.concatenate([mu[:, 1:], mm], axis=1)
+    _read_cross(reader, basis, toks, bases, mx, tight=False)
+    ask.phase = "score_cross_tight"
+    _read_cross(reader, basis, toks, bases, mx, tight=True)
+    mu[:, 1:] = mx[:, :n - 1]
+    for h in range(H):
+        for g in range(H):
+            if g != h:
+                mu[h, 0, g] = 0.5 * (mx[h, 0, g] + mx[h, n - 1, g])
 
 
 def _fill_rows(reader, basis, tokens, base, mu, heads, lo, hi):
@@ -795,6 +847,7 @@ def extract_multihead(
         "rough_value_err": float(np.max(np.linalg.norm(V_rough - V, axis=1) / np.linalg.norm(V, axis=1))),
         "v_condition": float(np.linalg.cond(V)),
         "requeried": reader.scaler.requeried,
+        "tight_fallbacks": reader.fallbacks,
         "oracle_calls": oracle.calls - calls0,
         "not_identifiable": PROPOSITION_7_1,
     }
