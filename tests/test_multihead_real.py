@@ -166,3 +166,38 @@ def test_torch_mha_one_head_is_unchanged():
         torch_mha(24, 0, heads=5)
     with pytest.raises(ValueError, match="torch_mha_multihead_truth"):
         torch_mha_truth(torch_mha(24, 0, heads=4))
+
+
+# ----------------------------------------------------------------------------- extraction of whole real layers
+
+
+def test_multihead_extracts_all_twelve_heads_of_minilm_layer_2():
+    """The moonshot: every W_h of a real 12-head layer (d = 384, float32, biases) within 1e-3 of BERT's
+    K_h^T Q_h / sqrt(32), up to permutation, through value queries alone; fidelity <= 1e-3."""
+    from headthief.extraction.multihead import extract_multihead
+    from headthief.oracles.base import ModelOracle
+
+    layer, truth = minilm.minilm_layer(2), minilm.minilm_layer_truth(2)
+    res = extract_multihead(ModelOracle(layer), bias=True, rng=0)
+    assert res.heads == 12
+    e = res.errors(truth)
+    assert len(e["per_head"]) == 12 and sorted(p["true_head"] for p in e["per_head"]) == list(range(12))
+    assert max(p["W_rel_err"] for p in e["per_head"]) <= 1e-3
+    assert e["v_rel_err"] <= 1e-4 and e["c_rel_err"] <= 1e-3
+    assert res.check.verdict == "pass" and res.check.figure <= 1e-3
+    assert res.queries <= 2_000_000
+
+
+def test_multihead_extracts_torch_mha_with_zero_score_biases():
+    """torch.nn.MultiheadAttention's default in_proj_bias is zero (every c_h = 0): the bias path must
+    not need to switch a head off at the zero token (regression)."""
+    pytest.importorskip("torch", reason=TORCH_REASON)
+    from headthief.extraction.multihead import extract_multihead
+    from headthief.models.torch_modules import TorchOracle, torch_mha, torch_mha_forward, torch_mha_multihead_truth
+
+    module = torch_mha(64, 1, heads=4)
+    truth = torch_mha_multihead_truth(module)
+    res = extract_multihead(TorchOracle(torch_mha_forward(module), 64), bias=True, rng=0)
+    e = res.errors(truth)
+    assert res.heads == 4 and e["W_rel_err"] <= 1e-4 and e["v_rel_err"] <= 1e-5
+    assert res.check.verdict == "pass" and res.check.figure <= 1e-4
