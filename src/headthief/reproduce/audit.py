@@ -1,0 +1,139 @@
+"""``headthief audit``: for one target, every applicable method against every defence, through the sweep
+engine. Each cell runs the real ``headthief extract`` command in-process (the same oracle stack, model
+check and cost keys as a user's run) and keeps its JSON row and exit code: queries spent, parameter
+errors, fidelity, and whether the defence stopped or fooled the method."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import SpecError
+from .engine import Task
+
+VALUE_METHODS = ("exact", "lowrank", "noisy")
+SIGN_METHODS = ("membership",)
+
+
+@dataclass(frozen=True)
+class Defence:
+    name: str
+    flags: tuple
+    sign_only: bool = False
+    budget_fraction: float | None = None    # budget = fraction of d^2 (resolved per target)
+
+
+def defences(d: int) -> list[Defence]:
+    """The audit's defences: none; noise tau in {1e-6, 1e-4, 1e-2} in adversarial and uniform mode;
+    rounding to 4 decimals; sign-only answers; an input-norm bound of 1; a budget of d^2 / 2 queries."""
+    out = [Defence("none", ())]
+    for mode in ("adversarial", "uniform"):
+        for tau in ("1e-6", "1e-4", "1e-2"):
+            out.append(Defence(f"noise {mode} {tau}", ("--noise", tau, "--noise-mode", mode)))
+    out.append(Defence("round:4", ("--noise-mode", "round:4")))
+    out.append(Defence("sign-only", ("--sign-only",), sign_only=True))
+    out.append(Defence("input-norm 1", ("--input-norm", "1")))
+    out.append(Defence(f"budget {d * d // 2}", ("--budget", str(d * d // 2))))
+    return out
+
+
+EXIT_MEANING = {0: "extracted", 2: "refused / not identifiable", 3: "budget spent", 4: "did not converge",
+                5: "model check failed"}
+
+
+def audit_cell(p: dict, rng: np.random.Generator) -> dict:
+    """One (method, defence) cell: ``headthief extract ... --json`` in this process."""
+    from ..cli import main
+    argv = ["extract", "--target", p["target"], "--method", p["method"], "--json", "--quiet",
+            "--seed", str(int(rng.integers(2 ** 31 - 1))), *p["flags"]]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    row = {}
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
+    if lines:
+        row = json.loads(lines[-1])
+    spent = row.get("queries")
+    msg = err.getvalue().strip().splitlines()
+    if spent is None and code == 3:      # BudgetExceeded: stderr says how many were spent
+        import re
+        m = re.search(r"(\d[\d,]*) quer", " ".join(msg))
+        spent = int(m.group(1).replace(",", "")) if m else None
+    mc = row.get("model_check") or {}
+    return {"exit": code, "outcome": EXIT_MEANING.get(code, f"exit {code}"), "queries": spent,
+            "check_queries": row.get("check_queries"),
+            "W_rel_err": row.get("W_rel_err"), "v_rel_err": row.get("v_rel_err"),
+            "fidelity": row.get("fidelity_max_rel_err") if row.get("fidelity_max_rel_err") is not None else mc.get("figure"),
+            "check": mc.get("verdict"), "message": msg[-1][:300] if msg else ""}
+
+
+def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str] | None = None) -> list[Task]:
+    from ..targets import resolve
+    target = resolve(spec)
+    d = target.d
+    ds = defences(d)
+    if names:
+        known = {x.name for x in ds}
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise SpecError(f"unknown defence(s) {bad}; known: {sorted(known)}")
+        ds = [x for x in ds if x.name in names]
+    meths = list(methods) if methods else list(VALUE_METHODS + SIGN_METHODS)
+    from ..methods import METHODS
+    bad = [m for m in meths if m not in METHODS]
+    if bad:
+        raise SpecError(f"unknown method(s) {bad}")
+    tasks = []
+    for dfc in ds:
+        for m in meths:
+            if (m in SIGN_METHODS) != dfc.sign_only:
+                continue      # sign-only answers only suit the sign-only methods, and vice versa
+            tasks.append(Task("audit", f"{spec}|{m}|{dfc.name}", "headthief.reproduce.audit:audit_cell",
+                              {"target": spec, "method": m, "defence": dfc.name, "flags": list(dfc.flags)}))
+    return tasks
+
+
+def audit_table(records: list[dict]) -> list[dict]:
+    rows = []
+    for r in records:
+        v = r.get("value") or {}
+        rows.append({"defence": r["params"]["defence"], "method": r["params"]["method"],
+                     "outcome": v.get("outcome", r.get("error")), "queries": v.get("queries"),
+                     "W_rel_err": v.get("W_rel_err"), "fidelity": v.get("fidelity"), "check": v.get("check")})
+    return rows
+
+
+def draw_audit(rows: list[dict], path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = {"exact": "o", "lowrank": "s", "noisy": "^", "membership": "D"}
+    names = list(dict.fromkeys(r["defence"] for r in rows))
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(names):
+        for r in rows:
+            if r["defence"] != name or not r["queries"] or r["W_rel_err"] is None:
+                continue
+            ax.scatter(r["queries"], max(r["W_rel_err"], 1e-17), color=cmap(i % 20),
+                       marker=markers.get(r["method"], "x"), s=40,
+                       label=name if r is next(x for x in rows if x["defence"] == name and x["queries"]
+                                               and x["W_rel_err"] is not None) else None)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("queries spent")
+    ax.set_ylabel("W relative error")
+    ax.set_title("what each defence costs the attacker (marker = method)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

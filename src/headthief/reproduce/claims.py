@@ -1,0 +1,363 @@
+"""The paper's claims as experiments: each states the claim as the paper words it, lists its tasks (a
+quick and a full size), and turns the measured records into a verdict.
+
+Verdicts: ``holds``, ``holds with a caveat`` (the caveat is said), ``fails``, or ``not measured`` (every
+task failed; the errors are in the report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .engine import Task
+
+T = "headthief.reproduce.tasks:"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What an experiment measured and its verdict."""
+
+    measured: str
+    verdict: str
+    caveat: str = ""
+    table: list = field(default_factory=list)       # rows (dicts) for the report
+    plot: dict | None = None                        # {"kind": ..., series...} drawn by report.py
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    ref: str            # "Theorem 4.1"
+    claim: str          # the paper's words (abridged)
+    tasks: Callable[[bool], list]
+    judge: Callable[[list], Finding]
+
+
+def _ok(records):
+    return [r for r in records if r.get("value") is not None]
+
+
+def _fmt(x, spec=".1e"):
+    return "-" if x is None else format(x, spec)
+
+
+# ------------------------------------------------------------------------------------------ Theorem 4.1
+
+def _t41_tasks(quick):
+    dims = [4, 8, 16, 32] if quick else [4, 8, 16, 32, 64, 128]
+    seeds = 3 if quick else 10
+    out = []
+    for d in dims:
+        for probes in ("basis", "gaussian"):
+            for s in range(seeds):
+                out.append(Task("theorem-4.1", f"d={d},probes={probes},seed={s}", T + "exact_recovery",
+                                {"d": d, "probes": probes}))
+    for d in dims[1:3]:
+        for s in range(seeds):
+            out.append(Task("theorem-4.1", f"d={d},float32,seed={s}", T + "exact_recovery",
+                            {"d": d, "probes": "basis", "dtype": "float32"}))
+    return out
+
+
+def _t41_judge(recs):
+    ok = _ok(recs)
+    f64 = [r for r in ok if r["params"].get("dtype") != "float32"]
+    f32 = [r for r in ok if r["params"].get("dtype") == "float32"]
+    count_ok = all(r["value"]["queries"] == r["value"]["formula"] for r in ok)
+    w64 = max(r["value"]["W_rel_err"] for r in f64) if f64 else None
+    w32 = max(r["value"]["W_rel_err"] for r in f32) if f32 else None
+    rows = []
+    for d in sorted({r["params"]["d"] for r in ok}):
+        for kind in ("basis", "gaussian", "float32"):
+            sel = [r for r in ok if r["params"]["d"] == d and
+                   (r["params"].get("dtype") == "float32" if kind == "float32" else
+                    r["params"].get("dtype") != "float32" and r["params"]["probes"] == kind)]
+            if sel:
+                rows.append({"d": d, "probes": kind, "runs": len(sel), "queries": sel[0]["value"]["queries"],
+                             "d^2+d": d * d + d, "max W_rel_err": _fmt(max(r["value"]["W_rel_err"] for r in sel))})
+    measured = (f"{len(f64)} float64 runs: queries = d^2 + d in every run: {count_ok}; max W_rel_err {_fmt(w64)}; "
+                f"{len(f32)} float32 heads: max W_rel_err {_fmt(w32)}")
+    verdict = "holds" if count_ok and w64 is not None and w64 <= 1e-9 else "fails"
+    caveat = ""
+    if verdict == "holds" and w32 is not None:
+        verdict, caveat = "holds with a caveat", f"exact up to the answers' precision: float32 heads give W to {_fmt(w32)}"
+    plot = {"kind": "scatter", "x": "d", "y": "W_rel_err", "logy": True, "logx": True,
+            "series": {k: [[r["params"]["d"], r["value"]["W_rel_err"]] for r in ok
+                           if (r["params"].get("dtype") == "float32") == (k == "float32")
+                           and (k == "float32" or r["params"]["probes"] == k)]
+                       for k in ("basis", "gaussian", "float32")}}
+    return Finding(measured, verdict, caveat, rows, plot)
+
+
+# ------------------------------------------------------------------------------- Theorem 5.1 / A.2
+
+def _t51_tasks(quick):
+    d, r = (12, 2) if quick else (20, 2)
+    ratios = [0.5, 0.75, 1.0, 1.5, 2.0, 3.0] if quick else [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
+    seeds = 3 if quick else 10
+    out = []
+    for method in ("lowrank", "rop-als", "rop-convex"):
+        for x in ratios:
+            for s in range(seeds):
+                out.append(Task("theorem-5.1", f"{method},d={d},r={r},ratio={x},seed={s}", T + "lowrank_transition",
+                                {"d": d, "r": r, "ratio": x, "method": method}))
+    return out
+
+
+def _t51_judge(recs):
+    ok = _ok(recs)
+    rates: dict = {}
+    for r in ok:
+        key = (r["params"]["method"], r["params"]["ratio"])
+        rates.setdefault(key, []).append(bool(r["value"]["ok"]))
+    methods = sorted({k[0] for k in rates})
+    ratios = sorted({k[1] for k in rates})
+    rows = [{"method": m, **{f"m/r(2d-r)={x:g}": f"{np.mean(rates[(m, x)]):.2f}" for x in ratios if (m, x) in rates}}
+            for m in methods]
+    def first_full(m):
+        for x in ratios:
+            if (m, x) in rates and all(rates[(m, x)]):
+                return x
+        return None
+    fc = first_full("rop-convex")
+    fl = first_full("lowrank")
+    d = ok[0]["params"]["d"] if ok else 0
+    measured = (f"d = {d}: the convex program (nuclear norm, cvxpy) succeeds in every trial from "
+                f"m = {fc} r(2d - r) on; ALS from {first_full('rop-als')}; the adaptive method from {fl}")
+    verdict = "holds" if fc is not None else "fails"
+    caveat = "m = O(rd) with a measured constant; the theorem gives none" if fc is not None else ""
+    if caveat:
+        verdict = "holds with a caveat"
+    plot = {"kind": "lines", "x": "m / r(2d - r)", "y": "success rate", "logy": False, "logx": False,
+            "series": {m: [[x, float(np.mean(rates[(m, x)]))] for x in ratios if (m, x) in rates] for m in methods}}
+    return Finding(measured, verdict, caveat, rows, plot)
+
+
+# ----------------------------------------------------------------------------------- Theorem 6.1
+
+NOISY = {"d": 16, "W": 4.0, "mu": 0.1, "eps": 0.05}
+
+
+def _t61_tasks(quick):
+    seeds = 3 if quick else 20
+    return [Task("theorem-6.1", f"seed={s}", T + "noisy_theorem", dict(NOISY, sparse=bool(s % 2)))
+            for s in range(seeds)]
+
+
+def _t61_judge(recs):
+    ok = _ok(recs)
+    if not ok:
+        return Finding("no run finished", "not measured")
+    eps = NOISY["eps"]
+    wmax = max(r["value"]["W_fro_err"] for r in ok)
+    vmax = max(r["value"]["v_err"] for r in ok)
+    count = all(r["value"]["queries"] == r["value"]["formula"] for r in ok)
+    ours = max(r["value"]["ours_W_fro_err"] for r in ok)
+    rows = [{"seed": r["key"], "tau": _fmt(r["value"]["tau"], ".3e"), "queries": r["value"]["queries"],
+             "||W_hat-W||_F": _fmt(r["value"]["W_fro_err"]), "||v_hat-v||": _fmt(r["value"]["v_err"]),
+             "ours ||W_hat-W||_F": _fmt(r["value"]["ours_W_fro_err"])} for r in ok]
+    measured = (f"at the prescribed tau = {ok[0]['value']['tau']:.3e} (d = 16, W = 4, mu = 0.1, eps = 0.05, "
+                f"adversarial answers), {len(ok)} seeds: max ||W_hat - W||_F {wmax:.1e} <= {eps}, max ||v_hat - v|| "
+                f"{vmax:.1e}; queries d + d^2 = 272 in every run: {count}; ours at the same tau {ours:.1e}")
+    verdict = "holds" if wmax <= eps and vmax <= eps and count else "fails"
+    return Finding(measured, verdict, "", rows, None)
+
+
+# ----------------------------------------------------------------------------------- Theorem B.1
+
+MEMB = {"d": 8, "W": 2.0, "mu": 0.2, "eps_W": 0.1}
+
+
+def _tb1_tasks(quick):
+    ks = [100, 1000, 10000] if quick else [100, 1000, 10000, 100000]
+    seeds = 4 if quick else 20
+    out = [Task("theorem-B.1", f"sphere,k={k},seed={s}", T + "membership_sphere", dict(MEMB, k=k))
+           for k in ks for s in range(seeds)]
+    out += [Task("theorem-B.1", f"bisection,seed={s}", T + "membership_bisection", dict(MEMB))
+            for s in range(3 if quick else 10)]
+    return out
+
+
+def _tb1_judge(recs):
+    from ..extraction.robust.membership_paper import prescribed_sphere_queries
+    ok = _ok(recs)
+    sph = [r for r in ok if r["fn"].endswith("membership_sphere")]
+    bis = [r for r in ok if r["fn"].endswith("membership_bisection")]
+    ks = sorted({r["value"]["k"] for r in sph})
+    means = [float(np.mean([r["value"]["v_inf_err"] for r in sph if r["value"]["k"] == k])) for k in ks]
+    slope = float(np.polyfit(np.log(ks), np.log(means), 1)[0]) if len(ks) >= 2 else None
+    bmax = max((r["value"]["W_fro_err"] for r in bis), default=None)
+    bq = bis[0]["value"]["queries"] if bis else None
+    prescribed = prescribed_sphere_queries(MEMB["d"], MEMB["eps_W"], MEMB["mu"], MEMB["W"], 0.1)
+    rows = [{"k": k, "mean ||v_hat - v||_inf": _fmt(m)} for k, m in zip(ks, means)]
+    rows.append({"k": "bisection (given v within eps_v)", "mean ||v_hat - v||_inf": f"W err max {_fmt(bmax)} in {bq} queries"})
+    measured = (f"sphere estimator error slope in k: {slope:.2f} (Hoeffding: -0.5); prescribed sphere queries for "
+                f"eps_W = 0.1 at d = 8: {prescribed:.2e}; bisection: max ||W_hat - W||_F {_fmt(bmax)} <= 0.1 "
+                f"with d^2 n = {bq} queries")
+    holds = slope is not None and abs(slope + 0.5) <= 0.15 and bmax is not None and bmax <= MEMB["eps_W"]
+    verdict = "holds with a caveat" if holds else "fails"
+    caveat = (f"polynomial but impractical: the prescribed {prescribed:.1e} sphere queries are out of reach; "
+              "only the parts are measured") if holds else ""
+    plot = {"kind": "lines", "x": "k (sphere queries)", "y": "mean ||v_hat - v||_inf", "logy": True, "logx": True,
+            "series": {"measured": [[k, m] for k, m in zip(ks, means)],
+                       "k^-1/2 (scaled)": [[k, means[0] * (k / ks[0]) ** -0.5] for k in ks]}}
+    return Finding(measured, verdict, caveat, rows, plot)
+
+
+# --------------------------------------------------------------------------------- Proposition 7.1
+
+def _p71_tasks(quick):
+    n = 1000 if quick else 10000
+    out = [Task("proposition-7.1", f"generic,seed={s}", T + "equivalent_sets", {"d": 12, "heads": 4, "sequences": n})
+           for s in range(3 if quick else 10)]
+    out += [Task("proposition-7.1", f"identical,seed={s}", T + "equivalent_sets",
+                 {"d": 12, "heads": 4, "sequences": n, "identical": True}) for s in range(2 if quick else 5)]
+    return out
+
+
+def _p71_judge(recs):
+    ok = _ok(recs)
+    if not ok:
+        return Finding("no run finished", "not measured")
+    gap = min(r["value"]["gap"] for r in ok)
+    diff = max(r["value"]["max_rel_diff"] for r in ok)
+    rows = [{"run": r["key"], "parameter gap": f"{r['value']['gap']:.2f}", "heads": r["value"]["heads_after"],
+             "max output diff / rms": _fmt(r["value"]["max_rel_diff"])} for r in ok]
+    measured = (f"{len(ok)} layers (d = 12, H = 4): a second parameter set at least {gap:.0%} away in W or v gives "
+                f"outputs equal to {diff:.1e} relative on {ok[0]['params']['sequences']} random sequences")
+    verdict = "holds" if gap >= 0.5 and diff <= 1e-13 else "fails"
+    return Finding(measured, verdict, "", rows, None)
+
+
+# -------------------------------------------------------------------------------- Proposition C.2
+
+def _pc2_tasks(quick):
+    seeds = 3 if quick else 10
+    out = [Task("proposition-C.2", f"d=32,H=4,seed={s}", T + "known_subspaces", {"d": 32, "heads": 4}) for s in range(seeds)]
+    out += [Task("proposition-C.2", f"d=32,H=4,float32,seed={s}", T + "known_subspaces",
+                 {"d": 32, "heads": 4, "dtype": "float32"}) for s in range(2 if quick else 5)]
+    return out
+
+
+def _pc2_judge(recs):
+    ok = _ok(recs)
+    f64 = [r for r in ok if r["params"].get("dtype") != "float32"]
+    f32 = [r for r in ok if r["params"].get("dtype") == "float32"]
+    w = max((r["value"]["W_rel_err"] for r in f64), default=None)
+    w32 = max((r["value"]["W_rel_err"] for r in f32), default=None)
+    count = all(r["value"]["queries"] == r["value"]["formula"] for r in ok)
+    rows = [{"run": r["key"], "queries": r["value"]["queries"], "sum (d_h^2 + d_h)": r["value"]["formula"],
+             "W_rel_err": _fmt(r["value"]["W_rel_err"]), "v_rel_err": _fmt(r["value"]["v_rel_err"])} for r in ok]
+    measured = (f"d = 32, H = 4 orthogonal subspaces: every head recovered up to permutation, queries = "
+                f"sum_h (d_h^2 + d_h) = 288: {count}; max W_rel_err {_fmt(w)} (float32 answers {_fmt(w32)})")
+    verdict = "holds" if count and w is not None and w <= 1e-10 else "fails"
+    return Finding(measured, verdict, "", rows, None)
+
+
+# -------------------------------------------------------------------------- Appendix C conjecture
+
+def _conj_tasks(quick):
+    grid = [(8, 2), (16, 2), (16, 4)] if quick else [(8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
+    seeds = 3 if quick else 20
+    out = []
+    for d, H in grid:
+        for prec in ("float64", "float32"):
+            for s in range(seeds):
+                out.append(Task("conjecture-C", f"d={d},H={H},{prec},seed={s}", T + "hessian_conjecture",
+                                {"d": d, "heads": H, "precision": prec}))
+    for s in range(2 if quick else 10):
+        out.append(Task("conjecture-C", f"d=16,H=4,rank=2,float64,seed={s}", T + "hessian_conjecture",
+                        {"d": 16, "heads": 4, "precision": "float64", "rank": 2}))
+    return out
+
+
+def _conj_judge(recs):
+    ok = _ok(recs)
+    groups: dict = {}
+    for r in ok:
+        p = r["params"]
+        groups.setdefault((p["d"], p["heads"], p["precision"], p.get("rank")), []).append(r["value"])
+    rows = []
+    for (d, H, prec, rank), vals in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        wins = sum(v["ok"] for v in vals)
+        rows.append({"d": d, "H": H, "precision": prec, "heads": "full rank" if rank is None else f"rank {rank}",
+                     "success": f"{wins}/{len(vals)}", "queries": int(np.median([v["queries"] for v in vals])),
+                     "why not": ", ".join(sorted({v["why"] for v in vals if not v["ok"]})) or "-"})
+    full = [v for k, vs in groups.items() if k[3] is None for v in vs]
+    low = [v for k, vs in groups.items() if k[3] is not None for v in vs]
+    rate = sum(v["ok"] for v in full) / max(1, len(full))
+    lrate = sum(v["ok"] for v in low) / max(1, len(low))
+    measured = (f"full-rank heads in orthogonal subspaces: {sum(v['ok'] for v in full)}/{len(full)} recovered "
+                f"(W <= 1e-6 float64, 1e-3 float32); low-rank heads: {sum(v['ok'] for v in low)}/{len(low)}")
+    if rate == 1.0 and lrate == 1.0:
+        verdict, caveat = "holds", ""
+    elif rate >= 0.9:
+        verdict = "holds with a caveat"
+        caveat = (f"only for full-rank heads; low-rank heads succeed {lrate:.0%} (their probe Hessians do not span "
+                  "the head subspaces, so the finest block diagonalisation splits them)")
+    else:
+        verdict, caveat = "fails", ""
+    return Finding(measured, verdict, caveat, rows, None)
+
+
+# ----------------------------------------------------------------------------- ours vs anchors
+
+def _ours_tasks(quick):
+    out = [Task("ours-vs-anchor", "lowrank,d=64,r=4", T + "ours_vs_anchor", {"kind": "lowrank", "d": 64, "r": 4}),
+           Task("ours-vs-anchor", "multihead,d=32,H=4", T + "ours_vs_anchor", {"kind": "multihead", "d": 32, "heads": 4}),
+           Task("ours-vs-anchor", "multihead,d=8,H=6", T + "ours_vs_anchor", {"kind": "multihead", "d": 8, "heads": 6}),
+           Task("ours-vs-anchor", "membership,d=8", T + "ours_vs_anchor", {"kind": "membership", "d": 8})]
+    if not quick:
+        out += [Task("ours-vs-anchor", "lowrank,d=256,r=8", T + "ours_vs_anchor", {"kind": "lowrank", "d": 256, "r": 8}),
+                Task("ours-vs-anchor", "multihead,d=64,H=4,rank=16", T + "ours_vs_anchor",
+                     {"kind": "multihead", "d": 64, "heads": 4, "rank": 16})]
+    return out
+
+
+def _ours_judge(recs):
+    ok = _ok(recs)
+    rows = [{"method": r["key"], "queries": r["value"]["queries"], "anchor": r["value"]["anchor"] or "-",
+             "anchor is": r["value"]["anchor_name"], "W_rel_err": _fmt(r["value"]["W_rel_err"])} for r in ok]
+    beat = all(r["value"]["anchor"] is None or r["value"]["queries"] < r["value"]["anchor"] for r in ok)
+    precise = all(r["value"]["W_rel_err"] <= 1e-9 for r in ok)
+    measured = "; ".join(f"{r['key']}: {r['value']['queries']:,} queries"
+                         + (f" vs {r['value']['anchor']:,}" if r["value"]["anchor"] else "")
+                         + f", W {_fmt(r['value']['W_rel_err'])}" for r in ok)
+    return Finding(measured, "holds" if beat and precise and ok else "fails", "", rows, None)
+
+
+EXPERIMENTS: list[Experiment] = [
+    Experiment("theorem-4.1", "Theorem 4.1",
+               "Assuming v* != 0, given access to a value query oracle, the parameters W* and v* are exactly "
+               "learnable in polynomial time with O(d^2) value queries.", _t41_tasks, _t41_judge),
+    Experiment("theorem-5.1", "Theorem 5.1 / A.2",
+               "Assume v* != 0 and rank(W*) <= r. A randomized polynomial-time algorithm returns (W*, v*) "
+               "with probability at least 1 - e^{-Omega(m)} using d + m queries, where m = O(rd) "
+               "(nuclear-norm minimisation over Gaussian rank-one measurements).", _t51_tasks, _t51_judge),
+    Experiment("theorem-6.1", "Theorem 6.1",
+               "With answers within +-tau, tau = O(min{mu, eps_v / sqrt(d), mu eps_W / (W^2 d)}), O(d^2) "
+               "approximate value queries give ||v_hat - v*|| <= eps_v and ||W_hat - W*||_F <= eps_W.",
+               _t61_tasks, _t61_judge),
+    Experiment("theorem-B.1", "Theorem B.1",
+               "From a membership oracle, O(d/eps_v^2 log(d^2/delta) + d^2 log(d/(eps_W mu))) queries give "
+               "||v_hat - v*||_inf <= eps_v and ||W_hat - W*||_F <= eps_W, eps_v = eps_W mu^3 / (40 W d).",
+               _tb1_tasks, _tb1_judge),
+    Experiment("proposition-7.1", "Proposition 7.1",
+               "There exist multiple sets of parameters (W, v) that lead to the same multi-head function.",
+               _p71_tasks, _p71_judge),
+    Experiment("proposition-C.2", "Proposition C.2",
+               "Under the orthogonal subspace assumption (C.1), the multi-head attention class is identifiable "
+               "from queries, uniquely up to a permutation of the heads.", _pc2_tasks, _pc2_judge),
+    Experiment("conjecture-C", "Appendix C, conjecture",
+               "The multi-head attention model could be learnable with value queries: Hessians of the probe "
+               "function by finite differences, a finest simultaneous block diagonalisation, then Prop. C.2.",
+               _conj_tasks, _conj_judge),
+    Experiment("ours-vs-anchor", "Beyond the paper",
+               "headthief's own methods against the counts they are measured against (Theorem 4.1's d^2 + d "
+               "for low-rank heads, arXiv 2608.03294's 4Hd^2 - 2H + 1 for multi-head layers).",
+               _ours_tasks, _ours_judge),
+]
