@@ -119,3 +119,19 @@ def test_audit_defence_table(tmp_path):
     noisy = cell[("noise adversarial 1e-4", "noisy")]
     assert noisy["outcome"] == "extracted" and 1e-9 < noisy["W_rel_err"] < 1e-1
     assert (out / "audit.md").exists() and (out / "audit.json").exists()
+
+
+def test_bench_real_runs_through_the_engine_and_resumes(tmp_path, capsys):
+    from headthief.cli import main
+    argv = ["bench", "real", "--layers", "1", "--heads", "3,7", "--no-blackbox", "--verify", "32", "--json",
+            "--scheduler", "serial", "--store", str(tmp_path / "store")]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [(r["layer"], r["head"]) for r in first["rows"]] == [(1, 3), (1, 7)]
+    assert len(list((tmp_path / "store").glob("*.json"))) == 2
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "2 head(s) reused" in captured.err
+    again = json.loads(captured.out)
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    assert drop(again["rows"]) == drop(first["rows"])

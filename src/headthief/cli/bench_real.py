@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-blackbox", action="store_true", help="skip the minilm-hf / torch-mha rows")
     p.add_argument("--out", metavar="FILE", help="also write the table to FILE.csv or FILE.md")
     p.add_argument("--json", action="store_true", help="print one JSON object (rows, black boxes, summary)")
+    p.add_argument("--scheduler", default="processes",
+                   help="serial | processes (a dask LocalCluster here, the default) | tcp://HOST:PORT")
+    p.add_argument("--workers", type=int, default=None, help="LocalCluster workers (default min(2, cores))")
+    p.add_argument("--store", metavar="DIR", help="keep each finished head in DIR; a re-run reuses them")
 
 
 def _num(x):
@@ -91,6 +95,13 @@ def extract_row(spec: str, method: str, args: argparse.Namespace) -> dict:
         "fidelity_max_rel_err": _num(fid.max_rel_err) if fid else None,
         "seconds": round(res.seconds, 3),
     }
+
+
+def bench_cell(p: dict, rng) -> dict:
+    """One head as a task of the sweep engine (:mod:`headthief.reproduce.engine`). The extraction's seed
+    is ``--seed`` (not the task's generator), so the figures are those of a plain loop."""
+    args = argparse.Namespace(**p["args"])
+    return extract_row(p["spec"], p["method"], args)
 
 
 def _fmt(v) -> str:
@@ -161,20 +172,36 @@ def run(args: argparse.Namespace) -> int:
         print("headthief: torch/transformers are not installed; skipping the black-box rows "
               "(pip install 'headthief[torch]')", file=sys.stderr)
         boxes = []
-    rows: list[dict] = []
-    box_rows: list[dict] = []
-    t0 = time.perf_counter()
-    for i, (spec, method) in enumerate(jobs + boxes):
-        label = f"[{i + 1}/{len(jobs) + len(boxes)}] {spec} ({method})"
-        try:
-            row = extract_row(spec, method, args)
-        except HeadthiefError as e:
-            row = {"target": spec, "method": method, "error": f"{type(e).__name__}: {e}"}
-            print(f"{label}: failed: {row['error']}", file=sys.stderr)
+    from ..reproduce.engine import Task, run_sweep
+    keep = {k: getattr(args, k) for k in ("seed", "rank", "oversample", "verify")}
+    all_jobs = jobs + boxes
+    tasks = [Task("bench-real", f"{spec}|{method}", "headthief.cli.bench_real:bench_cell",
+                  {"spec": spec, "method": method, "args": keep}) for spec, method in all_jobs]
+
+    def progress(done, total, rec):
+        label = f"[{done}/{total}] {rec['params']['spec']} ({rec['params']['method']})"
+        if rec.get("error"):
+            print(f"{label}: failed: {rec['error']}", file=sys.stderr)
         else:
+            row = rec["value"]
             print(f"{label}: rank {row['rank']}, {row['queries']} queries, W err {_fmt(row['W_rel_err'])}, "
                   f"fidelity {_fmt(row['fidelity_max_rel_err'])}, {row['seconds']:.1f} s", file=sys.stderr)
+
+    t0 = time.perf_counter()
+    try:
+        sweep = run_sweep(tasks, store=args.store, scheduler=args.scheduler, workers=args.workers,
+                          progress=progress)
+    except HeadthiefError as e:
+        print(f"headthief: {e}", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    box_rows: list[dict] = []
+    for i, rec in enumerate(sweep.records):
+        spec, method = rec["params"]["spec"], rec["params"]["method"]
+        row = rec["value"] if rec["value"] is not None else {"target": spec, "method": method, "error": rec["error"]}
         (rows if i < len(jobs) else box_rows).append(row)
+    if sweep.reused:
+        print(f"headthief: {sweep.reused} head(s) reused from {args.store}", file=sys.stderr)
     summary = summarize(rows)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
     summary["method"] = args.method

@@ -218,7 +218,7 @@ def _run_dask(todo: list[Task], scheduler: str, workers: int | None, finish) -> 
     if scheduler == "processes":
         n = workers or max(1, min(2, os.cpu_count() or 1))
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
-                               dashboard_address=None, silence_logs=40)
+                               dashboard_address="127.0.0.1:0", silence_logs=40)
         client = Client(cluster)
     else:
         try:

@@ -48,7 +48,7 @@ def draw(name: str, plot: dict, out: Path) -> Path | None:
     if plot.get("logy"):
         ax.set_yscale("log")
     if plot.get("logx"):
-        ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=plot.get("xbase", 10))
     ax.set_xlabel(plot["x"])
     ax.set_ylabel(plot["y"])
     ax.set_title(name)

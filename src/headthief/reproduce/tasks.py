@@ -187,3 +187,41 @@ def ours_vs_anchor(p: dict, rng: np.random.Generator) -> dict:
         return {"queries": res.queries, "anchor": None, "anchor_name": "Theorem B.1 (needs ~1e7 at d=16 for W 0.19)",
                 "W_rel_err": W_err}
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def noisy_vs_tau(p: dict, rng: np.random.Generator) -> dict:
+    """Theorem 6.1's error bound against tau: both estimators' ||W_hat - W||_F at one tolerance."""
+    from ..extraction.robust.noisy import extract_noisy
+    from ..extraction.robust.noisy_paper import extract_noisy_paper, theorem_W_bound
+    from ..oracles import Tolerance
+    from ..targets import resolve
+    d, W, mu, tau = int(p["d"]), float(p["W"]), float(p["mu"]), float(p["tau"])
+    seed = _seed(rng)
+    target = resolve(f"random:d={d},seed={seed},W_norm={W:g},v_norm=1,v_min={mu:g}")
+    Wt = target.truth.dense_W()
+    paper = extract_noisy_paper(Tolerance(target.make_oracle(input_norm=1.0), tau, key=seed), W_bound=W, mu=mu,
+                                check=False)
+    ours = extract_noisy(Tolerance(target.make_oracle(input_norm=1.0), tau, key=seed), tau=tau, W_bound=W,
+                         check=False)
+    bound = theorem_W_bound(tau, d, W, mu)
+    return {"tau": tau, "bound": _finite(bound), "paper": float(np.linalg.norm(paper.W - Wt)),
+            "ours": float(np.linalg.norm(ours.W - Wt))}
+
+
+def membership_vs_queries(p: dict, rng: np.random.Generator) -> dict:
+    """Sign-only answers: W error against queries, the paper's estimator at k sphere queries or ours at a
+    bisection tolerance (d = 8: W = 2, mu = 0.2; the paper's probes need the norm bound sqrt(2/(W mu)))."""
+    from ..extraction.robust.membership import extract_membership
+    from ..extraction.robust.membership_paper import extract_membership_paper, paper_probe_norm
+    from ..models.attention import random_head
+    from ..oracles import SignOnly
+    from ..oracles.base import ModelOracle
+    d, W, mu = int(p["d"]), float(p["W"]), float(p["mu"])
+    head = random_head(d, rng=_seed(rng), W_norm=W, v_norm=1.0, v_min=mu)
+    if p["method"] == "paper":
+        res = extract_membership_paper(SignOnly(ModelOracle(head, input_norm=paper_probe_norm(W, mu))), W_bound=W,
+                                       mu=mu, eps_W=0.1, k=int(p["k"]), rng=_seed(rng), check=False)
+    else:
+        res = extract_membership(SignOnly(ModelOracle(head, input_norm=1.0)), tol=float(p["tol"]), check=False)
+    return {"method": p["method"], "queries": res.queries,
+            "W_rel_err": float(np.linalg.norm(res.W - head.W) / np.linalg.norm(head.W))}
