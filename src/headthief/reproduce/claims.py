@@ -324,7 +324,7 @@ def _conj_judge(recs):
         p = r["params"]
         groups.setdefault((p["d"], p["heads"], p["precision"], p.get("rank")), []).append(r["value"])
     rows = []
-    for (d, H, prec, rank), vals in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+    for (d, H, prec, rank), vals in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] or 0)):
         wins = sum(v["ok"] for v in vals)
         rows.append({"d": d, "H": H, "precision": prec, "heads": "full rank" if rank is None else f"rank {rank}",
                      "success": f"{wins}/{len(vals)}", "queries": int(np.median([v["queries"] for v in vals])),

@@ -151,7 +151,9 @@ def hessian_conjecture(p: dict, rng: np.random.Generator) -> dict:
         return {"ok": False, "why": type(exc).__name__, "queries": oracle.queries, "W_rel_err": None}
     e = res.errors(model)
     ok = res.heads == H and e["W_rel_err"] <= bar and e["v_rel_err"] <= bar
-    return {"ok": bool(ok), "why": "" if ok else f"heads {res.heads} of {H}" if res.heads != H else "error",
+    why = "" if ok else (f"{res.heads} heads found, not {H}" if res.heads != H else
+                         f"W err {e['W_rel_err']:.1e} > {bar:g}")
+    return {"ok": bool(ok), "why": why,
             "queries": res.queries, "W_rel_err": _finite(e["W_rel_err"])}
 
 
