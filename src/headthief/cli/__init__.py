@@ -1,4 +1,4 @@
-"""Command line: ``headthief extract``, ``targets``, ``bench real``, ``reproduce``, ``audit``.
+"""Command line: ``headthief extract``, ``headthief targets``.
 
 Exit codes: 0 done; 2 not identifiable or bad input (one line on stderr); 3 query budget exceeded
 (stderr says how many queries were spent); 4 the oracle failed or a bounded procedure did not
@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(e)
 
     sub.add_parser("targets", help="list the available target kinds")
+
+    from . import keys, serve
+    serve.add_arguments(sub.add_parser("serve", help="serve a target as a model API (keys, budgets, defences)"))
+    keys.add_arguments(sub.add_parser("keys", help="make, list and audit the API keys of a serve database"))
 
     b = sub.add_parser("bench", help="run a benchmark job and print its table")
     jobs = b.add_subparsers(dest="job", required=True)
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "reproduce":
         from . import reproduce as _reproduce
         return _reproduce.run(args)
+    if args.command == "serve":
+        from . import serve
+        return serve.run(args)
+    if args.command == "keys":
+        from . import keys
+        return keys.run(args)
     if args.command == "bench" and args.job == "real":
         from . import bench_real
         return bench_real.run(args)

@@ -20,6 +20,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     """The options of ``headthief extract``."""
     e.add_argument("--target", required=True, help="target spec (see `headthief targets`)")
     e.add_argument("--method", default="exact", help=f"one of: {', '.join(METHODS)}")
+    e.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
+                   help="API key of an http:// target (default: the HEADTHIEF_API_KEY environment variable)")
     e.add_argument("--seed", type=int, default=0, help="seed of the extraction's own randomness (default 0)")
     e.add_argument("--budget", type=int, default=None, help="most queries the oracle may answer")
     e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
@@ -241,7 +243,7 @@ def cmd_extract(args) -> int:
     if args.verify < 0:
         return _fail(2, f"--verify must be >= 0, got {args.verify}")
     try:
-        target = resolve(args.target, d=args.d, bias=args.bias)
+        target = resolve(args.target, d=args.d, bias=args.bias, api_key=getattr(args, "api_key", None))
         journal = open_journal(args)
     except JournalError as e:
         return _fail(2, str(e))

@@ -48,6 +48,10 @@ from .result import random_sequences
 
 SINGLE = "single-head attention"
 MULTI = "multi-head attention"
+FFN = "ReLU feed-forward network"   # one-token queries; its identities and verdict: transformer/ffn_check.py
+TRANSFORMER = "one-layer transformer"
+# classes with a nonlinearity after the attention: one-token answers are not affine in the token
+NOT_AFFINE = {TRANSFORMER}
 CHECK_SEED = 0x5EED
 
 
@@ -169,7 +173,24 @@ def _hints(name: str, model: str) -> str:
         "one softmax": "the attention weights are not one softmax over the tokens: several heads (try --method "
                        "multihead), or an FFN after the head",
         "half-space": "one-token bits are not a half-space: a nonlinearity after the attention",
-    }.get(name, f"the target is not {model}")
+    }.get(name, f"the target is not {model}") if model not in _MODEL_HINTS else _MODEL_HINTS[model].get(
+        name, f"the target is not {model}")
+
+
+_MODEL_HINTS = {
+    TRANSFORMER: {
+        "zero token": "f([0]) != 0: the FFN has biases (w_2^T ReLU(W_1 z + b_1) + b_2), and then the "
+                      "antisymmetric reduction of Section 4.1 does not hold: ReLU(z + b) - ReLU(-z + b) != z, "
+                      "so VQ(X) - VQ(-X) is not attention; use --method transformer (it learns the FFN with "
+                      "its biases and reads the attention through it)",
+        "key order": "the answer depends on the order of the non-query tokens: positional encodings, causal "
+                     "masking, or a query position other than the last token",
+        "repetition": "repeating every token alike changes the answer: positional encodings, a length "
+                      "normalisation, or attention that is not a softmax over the tokens",
+        "one softmax": "the recovered transformer does not reproduce the answers: several heads before the FFN "
+                       "(pass --heads H), FFN biases (--method transformer), or not a one-layer transformer",
+    },
+}
 
 
 def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
@@ -179,6 +200,9 @@ def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
     Returns ``(identities, queries spent, answer kind)``. A target whose answers do not depend on the
     tokens at all (a constant) raises :class:`NotIdentifiable`: nothing of W is visible.
     """
+    if model == FFN:
+        from .transformer.ffn_check import ffn_preflight
+        return ffn_preflight(oracle, bias=bias, rng=rng)
     rng = np.random.default_rng(rng)
     d = oracle.d
     R = oracle.input_norm
@@ -206,7 +230,7 @@ def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
         ids += _sign_identities(y, bias=bias, single=single)
     else:
         ids += _value_identities(y, kind, d, bias=bias, single=single,
-                                 ab_scaled=ab_scaled)
+                                 ab_scaled=ab_scaled or model in NOT_AFFINE)
     # a constant target: nothing depends on the tokens
     if not kind.sign:
         M = float(np.max(np.abs(y)))
@@ -361,6 +385,9 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
             preflight_result=None, signs: bool = False) -> ModelCheck:
     """Compare ``res`` with ``oracle`` on ``n`` fresh sequences and decide; raises :class:`ModelMismatch`
     (carrying the :class:`ModelCheck` as ``.model_check`` and the result as ``.result``)."""
+    if model == FFN:
+        from .transformer.ffn_check import ffn_verdict
+        return ffn_verdict(res, oracle, n=n, rng=rng, preflight_result=preflight_result)
     ids, cq, kind0 = preflight_result if preflight_result is not None else ((), 0, None)
     resolution = method_resolution(res)
     if n <= 0:

@@ -227,3 +227,28 @@ def membership_vs_queries(p: dict, rng: np.random.Generator) -> dict:
         res = extract_membership(SignOnly(ModelOracle(head, input_norm=1.0)), tol=float(p["tol"]), check=False)
     return {"method": p["method"], "queries": res.queries,
             "W_rel_err": float(np.linalg.norm(res.W - head.W) / np.linalg.norm(head.W))}
+
+
+def cli_extract(p: dict, rng: np.random.Generator) -> dict:
+    """``headthief extract --target T --method M --json`` in this process: the JSON row's figures.
+
+    Used where the CLI's own verification is the measurement (Section 4.1: fidelity on random sequences
+    and next to every kink)."""
+    import contextlib
+    import io
+    import json as _json
+
+    from ..cli import main
+    argv = ["extract", "--target", p["target"], "--method", p["method"], "--json", "--quiet",
+            "--seed", str(_seed(rng)), *p.get("flags", [])]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
+    row = _json.loads(lines[-1]) if lines else {}
+    keep = ("queries", "attention_queries", "ffn_queries", "W_rel_err", "v_rel_err", "fidelity_max_rel_err",
+            "kink_fidelity", "neurons", "ffn_neurons", "flips_resolved", "heads")
+    msg = err.getvalue().strip().splitlines()
+    return {"exit": code, "message": msg[-1][:300] if msg else "",
+            **{k: row.get(k) for k in keep if k in row},
+            "check": (row.get("model_check") or {}).get("verdict")}

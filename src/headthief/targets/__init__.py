@@ -109,9 +109,35 @@ register(TargetKind("multihead", "multihead:d=D,heads=H[,rank=R][,seed=S][,bias=
                     "identical=1 = Proposition 7.1's family)", _build_multihead))
 
 
+def _build_ffn(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from ..models.ffn import random_ffn
+    _check_keys("ffn", opts, {"d", "m", "seed", "bias", "sparse", "dtype"})
+    d = _int(opts, "d", lo=1)
+    m = _int(opts, "m", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    bias = opts.get("bias", "0") in ("1", "true", "yes")
+    sparse = _float(opts, "sparse", 0.0)
+    if not 0.0 <= sparse <= 1.0:
+        raise SpecError(f"sparse={sparse} must be in [0, 1]")
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    model = random_ffn(d, m, seed, bias=bias, sparse=sparse, dtype=np.float32 if dtype == "float32" else np.float64)
+    return Target(spec=spec, d=d, bias=bias, truth=model, make_oracle=lambda **kw: ModelOracle(model, **kw),
+                  info={"dtype": dtype, "m": m, **({"sparse": sparse} if sparse else {})})
+
+
+register(TargetKind("ffn", "ffn:d=D,m=M[,seed=S][,bias=1][,sparse=F][,dtype=float32]",
+                    "a seeded random two-layer ReLU FFN on one-token queries (Section 4.1's FFN; biases with bias=1; "
+                    "sparse=F makes that share of neurons rarely active, or tiny without biases)", _build_ffn))
+
+
 def resolve(spec: str, **ctx: Any) -> Target:
     """Turn a spec string into a :class:`Target`. ``ctx`` carries CLI settings (``d``, ``bias``)."""
     kind, sep, rest = spec.partition(":")
+    if kind in ("http", "https"):
+        from .http import build_http
+        return build_http(spec, ctx)
     if kind == "py":
         return _build_py(spec, rest, ctx)
     if kind not in TARGET_KINDS:
@@ -122,6 +148,8 @@ def resolve(spec: str, **ctx: Any) -> Target:
 
 def describe() -> list[tuple[str, str]]:
     rows = [(k.syntax, k.description) for k in TARGET_KINDS.values()]
+    rows.append(("http://HOST:PORT[?framing=json|npy] --api-key K",
+                 "a model behind a `headthief serve` API (key also from HEADTHIEF_API_KEY)"))
     rows.append(("py:PATH.py:FUNC --d D [--bias]",
                  "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array"))
     return rows
@@ -129,3 +157,5 @@ def describe() -> list[tuple[str, str]]:
 
 # Target kinds on real models (minilm:, minilm-hf:, torch-mha:); they register themselves on import.
 from . import real  # noqa: E402,F401
+# One-layer transformer targets (transformer:, torch-transformer:); they register themselves on import.
+from . import transformer as _transformer  # noqa: E402,F401

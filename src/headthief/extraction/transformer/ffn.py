@@ -1,0 +1,954 @@
+"""Learning a two-layer ReLU network from one-token value queries (the learner A_FFN of Section 4.1).
+
+The paper's FFN ``f(x) = w_o^T ReLU(A^T x)`` has no biases, so it is positively homogeneous, every kink
+is a hyperplane through the origin and every linear region is a cone on which ``f(x) = g^T x`` exactly
+(Euler). With biases, ``F(x, s) = s f(x / s)`` (``s > 0``) is such a network in ``R^{d+1}`` (the bias is
+the weight on ``s``; the output bias is a linear term in ``s``), so one algorithm serves both
+(critical points and gradient jumps, Carlini, Jagielski and Mironov 2020, "Cryptanalytic extraction of
+neural network models", here in homogeneous coordinates):
+
+1. **Kinks.** A path ``P -> Q -> R`` with ``R = -P`` (bias-free) crosses every hyperplane through the
+   origin exactly once: ``h(P)`` and ``h(-P)`` have opposite signs, so exactly one of the two chords
+   changes sign. With biases ``P = (-r u, eps)``, ``R = (r u, eps)`` do the same for every hyperplane
+   within ``r / eps`` of the origin along ``u`` (so rarely active neurons, whose hyperplanes are far from
+   typical inputs, are on the path too). :func:`~headthief.extraction.transformer.kinks.find_kinks` finds
+   every kink on both chords.
+2. **Gradient jumps.** The gradient of each linear region on the path is read from ``D - 1``
+   finite differences (``D = d`` or ``d + 1``) plus Euler's ``g^T y = F(y)``; each is checked on one more
+   point and on the path points the search saw in that region. A kink's jump ``c = g_right - g_left`` is
+   ``gamma n`` with ``n`` the unit normal of its hyperplane and ``gamma = w |a|`` (sign included: the
+   network is convex across a neuron with ``w > 0``).
+3. **Refinement.** Each neuron is measured again where it is isolated: a point on its hyperplane far
+   from every other recovered hyperplane, gradients on both sides with steps a quarter of that margin
+   (a refinement that sees another neuron's kink fails its check and is retried elsewhere).
+4. **Completeness.** A fresh path must show exactly the predicted kinks; a kink that no recovered
+   neuron explains is a new neuron (two kinks merged on the first path separate here), a recovered
+   neuron with no kink is dropped.
+5. **Flips.** ``w ReLU(a^T x) = w ReLU(-a^T x) + w a^T x``: local information gives each neuron's
+   hyperplane and ``gamma`` but not which way it faces, so the learner first returns
+   ``sum gamma_k ReLU(n_k^T z) + l^T z`` (exact; ``m + 2`` ReLU units), then looks for the flip set
+   ``S`` with ``sum_{k in S} gamma_k n_k = -l`` (x-part): least squares when the ``gamma_k n_k`` are
+   linearly independent (``m <= d``), a box-constrained linear program (whose vertex is the 0/1 flip
+   vector when it is unique, which holds with high probability for ``m`` up to about ``2d``) otherwise.
+   When neither gives a 0/1 vector, the ``m + 2`` form is kept (it is functionally exact).
+
+Query count: about ``D`` per region on the path (``m + 2`` regions), ``2 D + 4`` per neuron for the
+refinement, and about ``7`` per kink per path searched (two paths): ``~ 3 D m + 14 m``; d = 32, m = 64 measured
+at 7,939 queries (docs/ffn.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+from ...errors import BudgetExceeded, ConvergenceError, ModelMismatch, NotIdentifiable
+from ...models.ffn import ReLUFFN, compare_ffn
+from ...oracles.base import Oracle
+from ..check import FFN, checked
+from ..probes import Progress, looks_float32
+from ..result import Fidelity
+from .kinks import find_kinks
+
+
+# ---------------------------------------------------------------------------------------------------
+# the result
+
+
+@dataclass(frozen=True, eq=False)
+class FFNExtraction:
+    """What :func:`extract_ffn` recovered and what it cost.
+
+    Attributes:
+        method: ``"ffn"``.
+        model: the recovered :class:`~headthief.models.ffn.ReLUFFN` (functionally equal to the target;
+            with ``linear`` set when the flips were not resolved).
+        queries: oracle queries the extraction spent (the model check's not included).
+        seconds: wall time.
+        diagnostics: kinks found, regions, paths, flips resolved or not and how, neurons needed, ...
+        kinks: (K, d) points of the input space on the recovered hyperplanes, one per neuron, each where
+            that neuron is isolated (for verification next to every kink).
+        kink_normals, kink_margins: the hyperplanes' unit normals (homogeneous, (K, D)) and each point's
+            distance to the nearest other hyperplane (homogeneous, unit sphere).
+        kink_points: the same points in homogeneous coordinates (K, D).
+        bias: whether the biased network was learned (D = d + 1).
+        check: the model check's :class:`~headthief.extraction.check.ModelCheck`.
+    """
+
+    method: str
+    model: ReLUFFN
+    queries: int
+    seconds: float
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    kinks: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    kink_normals: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    kink_margins: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    kink_points: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    bias: bool = False
+    check: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))
+        for name in ("kinks", "kink_normals", "kink_margins", "kink_points"):
+            a = np.array(getattr(self, name), dtype=np.float64)
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+
+    @property
+    def d(self) -> int:
+        return self.model.d
+
+    @property
+    def neurons(self) -> int:
+        """ReLU units the recovered network needs: m, or m + 2 when a linear term is left."""
+        return self.model.neurons
+
+    @property
+    def rank(self) -> None:
+        return None
+
+    v_scale_known = True
+
+    def predict(self, batch) -> np.ndarray:
+        """The recovered FFN at (n, d) points, or on one-token sequences ((n, 1, d) or a list of (1, d))."""
+        if isinstance(batch, np.ndarray) and batch.ndim == 2:
+            return self.model(batch)
+        return self.model.evaluate(batch)
+
+    def near_kink_points(self, *, rng: np.random.Generator | int = 0, per_side: int = 1) -> np.ndarray:
+        """Fresh points next to every recovered kink, ``per_side`` on each side of each hyperplane, a
+        quarter of the kink's isolation margin away from it (where a wrong neuron shows first)."""
+        rng = np.random.default_rng(rng)
+        out = []
+        for y, n, mg in zip(self.kink_points, self.kink_normals, self.kink_margins):
+            for side in (-1.0, 1.0):
+                for _ in range(per_side):
+                    t = rng.standard_normal(y.shape[0])
+                    if self.bias:
+                        t[-1] = 0.0
+                    t -= (t @ n) * n
+                    t /= max(np.linalg.norm(t), 1e-300)
+                    z = y + side * 0.25 * mg * n + 0.125 * mg * t
+                    out.append(z[:-1] / z[-1] if self.bias else z)
+        return np.array(out).reshape(-1, self.d)
+
+    def verify(self, oracle: Oracle, n: int = 256, *, rng: np.random.Generator | int = 0, **_) -> Fidelity:
+        """Fidelity against ``oracle`` on ``n`` Gaussian one-token points and next to every kink."""
+        from ..result import Fidelity
+        g = np.random.default_rng(rng)
+        Z = np.vstack([g.standard_normal((n, self.d)), self.near_kink_points(rng=g)])
+        before = oracle.queries
+        y = oracle.query(Z[:, None, :])
+        yh = self.model(Z)
+        err = np.abs(yh - y)
+        rms = float(np.sqrt(np.mean(y[:n] ** 2))) if n else float(np.sqrt(np.mean(y ** 2)))
+        return Fidelity(n=Z.shape[0], queries=oracle.queries - before, max_abs_err=float(err.max()),
+                        rms_true=rms, max_rel_err=float(err.max() / max(rms, 1e-300)))
+
+    def errors(self, truth) -> dict[str, Any]:
+        """Against a known :class:`ReLUFFN` (or a model whose ``ffn`` is one), up to permutation,
+        positive rescaling and flips: see :func:`~headthief.models.ffn.compare_ffn`."""
+        t = truth if isinstance(truth, ReLUFFN) else getattr(truth, "ffn", None)
+        if not isinstance(t, ReLUFFN) and callable(getattr(truth, "ffn_params", None)):
+            t = ReLUFFN(**truth.ffn_params())      # a transformer: what its one-token answers see
+        if not isinstance(t, ReLUFFN):
+            return {"neuron_rel_err": None, "function_rel_err": None}
+        return compare_ffn(self.model, t)
+
+    def save(self, path) -> None:
+        """Write the recovered A, w (b1, b2, linear when present) with ``numpy.savez``."""
+        m = self.model
+        arrays = {"A": m.A, "w": m.w}
+        if m.b1 is not None:
+            arrays["b1"] = m.b1
+        if m.b2 is not None:
+            arrays["b2"] = np.float64(m.b2)
+        if m.linear is not None:
+            arrays["linear"] = m.linear
+        np.savez(path, **arrays)
+
+
+# ---------------------------------------------------------------------------------------------------
+# homogeneous view of the oracle
+
+
+class _Homog:
+    """``F(z)`` on homogeneous points: ``f(z)`` (bias-free), or ``s f(x / s)`` for ``z = (x, s)``, s > 0."""
+
+    def __init__(self, oracle: Oracle, bias: bool, max_queries: int | None, progress: Progress):
+        self.oracle = oracle
+        self.bias = bias
+        self.max_queries = max_queries
+        self.progress = progress
+        self.spent = 0
+        self.D = oracle.d + int(bias)
+        self.raw: np.ndarray | None = None      # the last answers as the oracle gave them (before * s)
+
+    def __call__(self, Z: np.ndarray) -> np.ndarray:
+        Z = np.atleast_2d(np.asarray(Z, dtype=np.float64))
+        n = Z.shape[0]
+        if self.max_queries is not None and self.spent + n > self.max_queries:
+            raise BudgetExceeded(self.spent, self.max_queries, n)
+        if self.bias:
+            s = Z[:, -1]
+            if not np.all(s > 0):
+                raise ConvergenceError("internal: a homogeneous point left the half-space s > 0")
+            X = Z[:, :-1] / s[:, None]
+        else:
+            X = Z
+        y = self.oracle.query(X[:, None, :])
+        self.raw = np.asarray(y)
+        self.spent += n
+        if self.progress is not None:
+            self.progress(n)
+        return y * Z[:, -1] if self.bias else y
+
+
+# ---------------------------------------------------------------------------------------------------
+# gradients of linear regions
+
+
+@dataclass
+class _Ctx:
+    F: _Homog
+    D: int
+    bias: bool
+    eps: float                 # the answers' relative precision (float64 or float32)
+    rng: np.random.Generator
+    checks_failed: int = 0
+    scale: float = 0.0          # |F| at unit distance from the origin, roughly (from the first answers)
+    samples: list = field(default_factory=list)     # (z, F(z)) away from kinks, for the final fit (float32)
+
+    @property
+    def f32(self) -> bool:
+        """Answers rounded to float32 (or coarser): the coarse-answer path (kink points + least squares)."""
+        return self.eps > 2.0 ** -40
+
+    @property
+    def rel(self) -> float:
+        """Relative tolerance of the consistency checks on gradient jumps (finite differences lose about
+        ``eps / step`` of the function's scale: 1e-5 is float64's, 0.05 float32's)."""
+        return 5e-2 if self.f32 else 1e-5
+
+
+def _directions(ctx: _Ctx, y: np.ndarray) -> np.ndarray:
+    """(D, D-1) orthonormal directions complementing y: y's orthogonal complement (bias-free), or the
+    x-subspace (biased: the steps keep s, so s > 0 holds)."""
+    D = ctx.D
+    if ctx.bias:
+        Qd, _ = np.linalg.qr(ctx.rng.standard_normal((D - 1, D - 1)))
+        return np.vstack([Qd, np.zeros((1, D - 1))])
+    M = np.column_stack([y, ctx.rng.standard_normal((D, D - 1))])
+    Qm, _ = np.linalg.qr(M)
+    return Qm[:, 1:]
+
+
+def _gradient(ctx: _Ctx, y: np.ndarray, rho: float, Fy: float | None = None,
+              known: list[tuple[np.ndarray, float]] | None = None) -> tuple[np.ndarray, bool, int]:
+    """The gradient of the linear region around ``y``: Euler ``g^T y = F(y)`` and D - 1 forward
+    differences of step ``rho``; checked on one more point (and on ``known`` (z, F(z)) pairs of the same
+    region). Returns ``(g, ok, queries)``."""
+    V = _directions(ctx, y)
+    r = ctx.rng.standard_normal(ctx.D)
+    if ctx.bias:
+        r[-1] = 0.0
+    r /= np.linalg.norm(r)
+    pts = [y + rho * V[:, j] for j in range(V.shape[1])] + [y + rho * r]
+    if Fy is None:
+        pts.append(y)
+    vals = ctx.F(np.array(pts))
+    q = len(pts)
+    if Fy is None:
+        Fy = float(vals[-1])
+    k = V.shape[1]
+    M = np.vstack([y[None, :], V.T])
+    rhs = np.concatenate([[Fy], (vals[:k] - Fy) / rho])
+    g = np.linalg.solve(M, rhs)
+    ny = float(np.linalg.norm(y))
+    scale = float(np.linalg.norm(g)) * ny + abs(Fy)
+    tol = 2.0 ** 10 * ctx.eps * scale * (2.0 + ny / rho)
+    ok = abs(vals[k] - g @ pts[k]) <= tol
+    for z, Fz in known or ():
+        ok = ok and abs(Fz - g @ z) <= tol * (1.0 + float(np.linalg.norm(z - y)) / rho)
+    return g, bool(ok), q
+
+
+# ---------------------------------------------------------------------------------------------------
+# neurons
+
+
+@dataclass
+class _Neuron:
+    n: np.ndarray          # unit normal (homogeneous), oriented: crossing into n^T z > 0 the gradient jumps by gamma n
+    gamma: float
+    refined: bool = False
+    point: np.ndarray | None = None
+    margin: float = 0.0
+    suspect: bool = False
+    lines: int = 0         # kink points its hyperplane was fit to (float32 answers), 0 otherwise
+    tries: int = 0         # kink-point fits attempted (float32 answers)
+
+    @property
+    def c(self) -> np.ndarray:
+        return self.gamma * self.n
+
+
+def _from_jump(c: np.ndarray, u: np.ndarray) -> _Neuron:
+    """The neuron behind a gradient jump ``c`` seen when crossing along ``u``."""
+    nc = float(np.linalg.norm(c))
+    sg = 1.0 if c @ u >= 0 else -1.0
+    return _Neuron(n=sg * c / nc, gamma=sg * nc)
+
+
+def _path(ctx: _Ctx, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    D = ctx.D
+    if not ctx.bias:
+        P = rng.standard_normal(D)
+        Q = rng.standard_normal(D)
+        P *= math.sqrt(D) / np.linalg.norm(P)
+        Q *= math.sqrt(D) / np.linalg.norm(Q)
+        return P, Q, -P
+    d = D - 1
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    x0 = rng.standard_normal(d)
+    x0 -= (x0 @ u) * u
+    r, eps = math.sqrt(d), 1e-3
+    return np.append(-r * u, eps), np.append(x0, 1.0), np.append(r * u, eps)
+
+
+def _search_path(ctx: _Ctx, P, Q, R, *, max_evals: int):
+    """Kinks on both chords of the path; returns a list of segments (A, B, kinks, seen, tau)."""
+    out = []
+    for A, B in ((P, Q), (Q, R)):
+        U = B - A
+
+        def g(ts, A=A, U=U):
+            return ctx.F(A[None, :] + np.asarray(ts)[:, None] * U[None, :])
+
+        probe = g(np.linspace(0.0, 1.0, 5))
+        S = float(np.max(np.abs(probe)))
+        if S == 0.0:
+            S = 1e-300
+        if ctx.f32:
+            # float32: the rounding is a few eps of S, so tau is a small multiple of it (1024 eps would hide
+            # every kink whose slope change is below ~1e-2 S); slopes are measured over longer stretches
+            # (h0) so their noise tau / h stays small against the slope changes; intervals narrower than
+            # min_width cannot be resolved by values that carry ~1e-7 S of noise
+            tau = 16.0 * ctx.eps * S
+            kinks, _, seen = find_kinks(g, tau=tau, max_evals=max_evals, rng=ctx.rng, h0=1.0 / 16, min_width=4e-6)
+        else:
+            tau = 2.0 ** 10 * ctx.eps * S
+            kinks, _, seen = find_kinks(g, tau=tau, max_evals=max_evals, rng=ctx.rng)
+        for t, v in zip(np.linspace(0.0, 1.0, 5), probe):
+            seen.setdefault(float(t), float(v))
+        out.append((A, B, kinks, seen, tau))
+    return out
+
+
+def _region_jumps(ctx: _Ctx, segs) -> tuple[list[tuple[_Neuron, np.ndarray]], list[np.ndarray], dict]:
+    """Pass 1: the gradient of every region on the path; a kink's jump is the difference of its two
+    neighbours'. Returns ``[(neuron, kink point)]``, the region gradients' (y, g) and counts."""
+    found: list[tuple[_Neuron, np.ndarray]] = []
+    grads: list[tuple[np.ndarray, np.ndarray]] = []
+    stats = {"regions": 0, "regions_failed": 0, "kinks_unmeasured": 0}
+    for A, B, kinks, seen, tau in segs:
+        U = B - A
+        nu = float(np.linalg.norm(U))
+        bounds = [0.0] + [k.t for k in kinks] + [1.0]
+        G: list[np.ndarray | None] = []
+        for j in range(len(bounds) - 1):
+            lo, hi = bounds[j], bounds[j + 1]
+            tm = 0.5 * (lo + hi)
+            y = A + tm * U
+            hw = 0.5 * (hi - lo) * nu
+            # the search's own points strictly inside this region (away from its kinks) check it
+            inner = [(A + t * U, v) for t, v in seen.items() if lo + 1e-3 * (hi - lo) < t < hi - 1e-3 * (hi - lo)]
+            inner = inner[:4]
+            rho = hw / 8.0
+            g, ok = None, False
+            stats["regions"] += 1
+            for _ in range(4):
+                if rho <= 0:
+                    break
+                g, ok, _q = _gradient(ctx, y, rho, known=inner)
+                if ok:
+                    break
+                ctx.checks_failed += 1
+                rho /= 16.0
+            if not ok:
+                stats["regions_failed"] += 1
+                g = None
+            else:
+                grads.append((y, g))
+            G.append(g)
+        for i, k in enumerate(kinks):
+            gl, gr = G[i], G[i + 1]
+            z = A + k.t * U
+            if gl is None or gr is None:
+                stats["kinks_unmeasured"] += 1
+                continue
+            c = gr - gl
+            J = k.jump
+            # the jump must show the slope change the search saw, and lie on a hyperplane through z
+            nc = float(np.linalg.norm(c))
+            r = ctx.rel
+            if nc == 0 or abs(c @ U - J) > r * abs(J) + r * nc * nu or abs(c @ z) > r * nc * np.linalg.norm(z):
+                stats["kinks_unmeasured"] += 1
+                continue
+            found.append((_from_jump(c, U), z))
+    return found, grads, stats
+
+
+def _merge(neurons: list[_Neuron], tol: float = 1e-6, gtol: float = 1e-4) -> list[_Neuron]:
+    """Neurons with the same hyperplane (either orientation) are one neuron."""
+    out: list[_Neuron] = []
+    for nu in neurons:
+        dup = False
+        for o in out:
+            if abs(abs(float(nu.n @ o.n)) - 1.0) < tol and abs(abs(nu.gamma) - abs(o.gamma)) <= gtol * abs(o.gamma):
+                dup = True
+                break
+        if not dup:
+            out.append(nu)
+    return out
+
+
+def _refine(ctx: _Ctx, neurons: list[_Neuron], k: int, *, candidates: int = 256,
+            grads: list | None = None) -> int:
+    """Pass 2: measure neuron k again where it is isolated. Returns the queries spent."""
+    nu = neurons[k]
+    D = ctx.D
+    others = np.array([o.n for i, o in enumerate(neurons) if i != k]).reshape(-1, D)
+    if ctx.bias:
+        es = np.zeros((1, D))
+        es[0, -1] = 1.0
+        others = np.vstack([others, es])
+    spent = 0
+    for attempt in range(3):
+        C = ctx.rng.standard_normal((candidates, D))
+        if ctx.bias:
+            C[:, -1] = np.abs(C[:, -1]) + 0.5
+        C -= np.outer(C @ nu.n, nu.n)
+        C /= np.linalg.norm(C, axis=1, keepdims=True)
+        if ctx.bias:
+            C = C[C[:, -1] > 0.05]
+            if C.shape[0] == 0:
+                continue
+        marg = np.min(np.abs(C @ others.T), axis=1) if others.shape[0] else np.ones(C.shape[0])
+        i = int(np.argmax(marg))
+        y, delta = C[i], float(marg[i]) / (2.0 ** attempt)
+        if delta <= 0:
+            continue
+        zp, zm = y + 0.5 * delta * nu.n, y - 0.5 * delta * nu.n
+        gp, okp, q1 = _gradient(ctx, zp, 0.25 * delta)
+        gm, okm, q2 = _gradient(ctx, zm, 0.25 * delta)
+        spent += q1 + q2
+        if not (okp and okm):
+            ctx.checks_failed += 1
+            continue
+        c = gp - gm
+        new = _from_jump(c, nu.n)
+        rt = 0.2 if ctx.f32 else 1e-4     # pass 1's jumps are read over short steps (float32: ~1e-2)
+        if float(np.linalg.norm(new.n - nu.n)) > rt or abs(new.gamma - nu.gamma) > rt * abs(nu.gamma):
+            nu.suspect = True          # not the neuron pass 1 saw (a merged or phantom kink)
+            return spent
+        nu.n, nu.gamma, nu.refined, nu.point, nu.margin = new.n, new.gamma, True, y, delta
+        if grads is not None:
+            grads.extend([(zp, gp), (zm, gm)])
+        return spent
+    nu.suspect = True
+    return spent
+
+
+_DBG = {}
+
+
+def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, candidates: int = 512) -> int:
+    """Pass 2 for coarse (float32) answers: neuron k's hyperplane from ``D - 1 + extra`` kink points.
+
+    A gradient jump read by finite differences inside the isolation ball (radius ~ the margin) carries
+    ``eps S / margin`` of noise, a 1e-4 relative error at float32. A kink's *location* on a line crossing
+    the hyperplane is better: intersecting the two pieces' lines puts it within ``~ eps S / gamma`` of
+    the truth whatever the pieces' length, and points spread over the whole hyperplane (distance ~1
+    apart) then fix its normal to about that. Each point: a line through ``p`` (on the current estimate
+    of the hyperplane, chosen where the other recovered hyperplanes are far along the normal) in the
+    normal direction, two values on each side, one at ``p`` to check that no other kink is between them;
+    a point whose slope change is not ``gamma`` or whose centre value is off is dropped. The normal is
+    the least-squares null vector of the points (through the origin), refit without outliers.
+    Returns the queries spent; sets ``nu.lines`` (points kept) or leaves the neuron as it was.
+    """
+    nu = neurons[k]
+    D = ctx.D
+    n = nu.n
+    others = np.array([o.n for i, o in enumerate(neurons) if i != k]).reshape(-1, D)
+    C = ctx.rng.standard_normal((candidates, D))
+    if ctx.bias:
+        C[:, -1] = np.abs(C[:, -1]) + 0.5
+    C -= np.outer(C @ n, n)
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    if ctx.bias:
+        C = C[C[:, -1] > 0.05]
+    # along p + t n the other hyperplanes are crossed at t_o = -(n_o . p) / (n_o . n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        T = -(C @ others.T) / (others @ n)[None, :] if others.shape[0] else np.full((C.shape[0], 1), np.inf)
+    T = np.where(np.isfinite(T), T, np.inf)
+    wp = np.min(np.where(T > 0, T, np.inf), axis=1)
+    wm = np.min(np.where(T < 0, -T, np.inf), axis=1)
+    if ctx.bias and abs(n[-1]) > 0:          # stay in s > 0
+        lim = 0.9 * C[:, -1] / abs(n[-1])
+        if n[-1] > 0:
+            wm = np.minimum(wm, lim)
+        else:
+            wp = np.minimum(wp, lim)
+    wp, wm = np.minimum(wp, 1.0), np.minimum(wm, 1.0)
+    w = np.minimum(wp, wm)
+    need = D - 1 + extra
+    order = np.argsort(-w)[:need]
+    order = order[w[order] > 1e-3]
+    spent = 0
+    pts, kept, errs = [], [], []
+    fr = (0.85, 0.4)
+    for i in order:
+        p = C[i]
+        ts = np.array([-fr[0] * wm[i], -fr[1] * wm[i], 0.0, fr[1] * wp[i], fr[0] * wp[i]])
+        Z = p[None, :] + ts[:, None] * n[None, :]
+        v = ctx.F(Z)
+        spent += 5
+        sl = (v[1] - v[0]) / (ts[1] - ts[0])
+        sr = (v[4] - v[3]) / (ts[4] - ts[3])
+        jump = sr - sl
+        noise = 16.0 * ctx.eps * max(float(np.max(np.abs(v))), ctx.scale)
+        if jump == 0 or abs(jump - nu.gamma) > 0.2 * abs(nu.gamma):
+            _DBG["jump"] = _DBG.get("jump", 0) + 1
+            ctx.checks_failed += 1
+            continue
+        # the lines meet at t*: v1 + sl (t - t1) = v3 + sr (t - t3)
+        tk = (v[3] - v[1] - sr * ts[3] + sl * ts[1]) / (sl - sr)
+        if not (ts[1] < tk < ts[3]):
+            _DBG["tk"] = _DBG.get("tk", 0) + 1
+            ctx.checks_failed += 1
+            continue
+        pred = v[1] + sl * (0.0 - ts[1]) if tk > 0 else v[3] + sr * (0.0 - ts[3])
+        amp = 2.0 + 2.0 * max(abs(ts[1]) / (ts[1] - ts[0]), abs(ts[3]) / (ts[4] - ts[3]))
+        if abs(v[2] - pred) > 4.0 * amp * noise:
+            _DBG["mid"] = _DBG.get("mid", 0) + 1
+            ctx.checks_failed += 1
+            continue
+        pts.append(p + tk * n)
+        kept.append((Z, v, tk))
+        # how far the lines' noise can move t* (measured: true kink points lie within 0.05 of
+        # 4 amp noise / |jump| of the true hyperplane, 99 % within 0.03, float32, d = 16, m = 32)
+        errs.append(0.25 * amp * noise / abs(jump))
+    _DBG.setdefault("w", []).append(len(order))
+    if len(pts) < D:                           # the null vector needs D - 1 points, plus one to check it
+        return spent
+    P = np.array(pts)
+    E = np.array(errs)
+    idx = np.arange(len(pts))
+    fit = False
+    for _ in range(len(pts)):
+        _, sv, Vt = np.linalg.svd(P[idx], full_matrices=True)
+        nn = Vt[-1]
+        if nn @ n < 0:
+            nn = -nn
+        r = np.abs(P[idx] @ nn) / E[idx]
+        worst = int(np.argmax(r))
+        if r[worst] <= 3.0:
+            fit = True
+            break
+        if len(idx) <= D:
+            break
+        idx = np.delete(idx, worst)          # a point of another kink (a neuron not yet recovered)
+    _DBG["PE"] = (P, E)
+    if not fit:
+        return spent
+    if float(np.linalg.norm(nn - n)) > 0.05:
+        nu.suspect = True
+        return spent
+    nu.n = nn
+    nu.lines = len(idx)
+    for j in idx:
+        Z, v, tk = kept[j]
+        for t, z, val in zip((0, 1, 3, 4), Z[[0, 1, 3, 4]], v[[0, 1, 3, 4]]):
+            ctx.samples.append((z, float(val)))
+    return spent
+
+
+def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Neuron, np.ndarray]], list[int], int]:
+    """Match a fresh path's kinks to the neurons. Returns (new neurons from unexplained kinks, indices of
+    neurons whose predicted kink is missing, queries spent measuring the new ones)."""
+    new: list[tuple[_Neuron, np.ndarray]] = []
+    seen_by: dict[int, int] = {}
+    predicted: dict[int, int] = {}
+    spent = 0
+    N = np.array([o.n for o in neurons]).reshape(-1, ctx.D)
+    gam = np.array([o.gamma for o in neurons])
+    for A, B, kinks, seen, tau in segs:
+        U = B - A
+        nu_ = float(np.linalg.norm(U))
+        hA, hU = N @ A, N @ U
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tk = -hA / hU
+        inside = np.flatnonzero((tk > 0) & (tk < 1) & np.isfinite(tk))
+        for i in inside:
+            predicted[int(i)] = predicted.get(int(i), 0) + 1
+        Jk = gam * np.abs(hU)
+        if ctx.f32:
+            # coarse answers: a found kink may be two merged ones (closer than the search resolves), and
+            # its location is known to ~1e-6 (1e-4 when merged); tiny predicted kinks may stay unseen
+            S = tau / (16.0 * ctx.eps)
+            matched_any = np.zeros(len(gam), dtype=bool)
+            for k in kinks:
+                near = [int(i) for i in inside if abs(tk[i] - k.t) <= 2e-3]
+                jt = 0.05 * abs(k.jump) + 100 * tau / max(k.right[1] - k.left[0], 1e-12)
+                ok = []
+                if near and abs(sum(Jk[i] for i in near) - k.jump) <= jt + 0.05 * sum(abs(Jk[i]) for i in near):
+                    ok = near
+                elif near:
+                    i = min(near, key=lambda i: abs(tk[i] - k.t))
+                    if abs(tk[i] - k.t) <= 2e-4 and abs(Jk[i] - k.jump) <= jt:
+                        ok = [i]
+                if ok:
+                    for i in ok:
+                        seen_by[i] = seen_by.get(i, 0) + 1
+                        matched_any[i] = True
+                    continue
+                z = A + k.t * U
+                yl = A + 0.5 * (k.left[0] + k.left[1]) * U
+                yr = A + 0.5 * (k.right[0] + k.right[1]) * U
+                hl = 0.5 * (k.left[1] - k.left[0]) * nu_
+                hr = 0.5 * (k.right[1] - k.right[0]) * nu_
+                if hl <= 0 or hr <= 0:
+                    continue
+                gl, okl, q1 = _gradient(ctx, yl, hl / 4)
+                gr, okr, q2 = _gradient(ctx, yr, hr / 4)
+                spent += q1 + q2
+                if not (okl and okr):
+                    ctx.checks_failed += 1
+                    continue
+                c = gr - gl
+                if float(np.linalg.norm(c)) == 0:
+                    continue
+                new.append((_from_jump(c, U), z))
+            for i in inside:
+                # a predicted kink too small to be seen in these answers is not missing, nor is that of a
+                # neuron whose hyperplane was fit to kink points (two kinks closer than the search
+                # resolves show as one, at neither's place)
+                if abs(Jk[i]) < 1e-3 * S or neurons[int(i)].lines:
+                    seen_by[int(i)] = seen_by.get(int(i), 0) + 1
+            continue
+        for k in kinks:
+            cand = [int(i) for i in inside if abs(tk[i] - k.t) <= 1e-6 and abs(Jk[i] - k.jump) <= 1e-5 * abs(k.jump) + 10 * tau / max(k.right[1] - k.left[0], 1e-12)]
+            if cand:
+                i = min(cand, key=lambda i: abs(tk[i] - k.t))
+                seen_by[i] = seen_by.get(i, 0) + 1
+                continue
+            # an unexplained kink: measure its jump between the two stretches the search certified
+            z = A + k.t * U
+            yl = A + 0.5 * (k.left[0] + k.left[1]) * U
+            yr = A + 0.5 * (k.right[0] + k.right[1]) * U
+            hl = 0.5 * (k.left[1] - k.left[0]) * nu_
+            hr = 0.5 * (k.right[1] - k.right[0]) * nu_
+            if hl <= 0 or hr <= 0:
+                continue
+            gl, okl, q1 = _gradient(ctx, yl, hl / 8)
+            gr, okr, q2 = _gradient(ctx, yr, hr / 8)
+            spent += q1 + q2
+            if not (okl and okr):
+                ctx.checks_failed += 1
+                continue
+            c = gr - gl
+            if float(np.linalg.norm(c)) == 0:
+                continue
+            new.append((_from_jump(c, U), z))
+    missing = [i for i, cnt in predicted.items() if seen_by.get(i, 0) < cnt]
+    return new, missing, spent
+
+
+def _fit_output(ctx: _Ctx, N: np.ndarray, gam0: np.ndarray, lin0: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Coarse answers: with the hyperplanes known, ``F(z) = sum_k gamma_k ReLU(n_k^T z) + l^T z`` is linear
+    in ``(gamma, l)``: least squares over every sample the refinement kept (away from kinks). Falls back to
+    the finite-difference values when the system is not well determined. Returns (gamma, l, relative
+    residual)."""
+    Z = np.array([z for z, _ in ctx.samples])
+    y = np.array([v for _, v in ctx.samples])
+    M = np.hstack([np.maximum(Z @ N.T, 0.0), Z])
+    cn = np.linalg.norm(M, axis=0)
+    cn = np.where(cn > 0, cn, 1.0)
+    if M.shape[0] < 2 * M.shape[1]:
+        return gam0, lin0, float("nan")
+    sol, *_ = np.linalg.lstsq(M / cn, y, rcond=None)
+    sol = sol / cn
+    sv = np.linalg.svd(M / cn, compute_uv=False)
+    if sv[-1] < 1e-6 * sv[0]:
+        return gam0, lin0, float("nan")
+    res = float(np.max(np.abs(M @ sol - y)) / max(float(np.max(np.abs(y))), 1e-300))
+    m = N.shape[0]
+    return sol[:m], sol[m:], res
+
+
+# ---------------------------------------------------------------------------------------------------
+# flips
+
+
+def _resolve_flips(Cx: np.ndarray, lx: np.ndarray, rng: np.random.Generator,
+                   coarse: bool = False) -> tuple[np.ndarray | None, str]:
+    """A 0/1 vector s with ``Cx s = -lx`` (columns of Cx: gamma_k n_k, x-part), or None. ``coarse``:
+    Cx and lx carry float32 answers' errors (~1e-6 relative), so the acceptance is looser."""
+    m = Cx.shape[1]
+    frac, rtol = (0.05, 1e-4) if coarse else (1e-4, 1e-8)
+    scale = float(np.linalg.norm(Cx)) + float(np.linalg.norm(lx))
+    if m == 0:
+        return np.zeros(0), "none needed"
+
+    def accept(s) -> bool:
+        if s is None or not np.all(np.isfinite(s)):
+            return False
+        r = np.round(s)
+        if np.max(np.abs(s - r)) > frac or np.any((r != 0) & (r != 1)):
+            return False
+        return float(np.linalg.norm(Cx @ r + lx)) <= rtol * scale
+
+    if float(np.linalg.norm(lx)) <= (1e-6 if coarse else 1e-12) * scale:
+        return np.zeros(m), "none needed"
+    sv = np.linalg.svd(Cx, compute_uv=False)
+    if m <= Cx.shape[0] and sv[-1] > 1e-8 * sv[0]:
+        s = np.linalg.lstsq(Cx, -lx, rcond=None)[0]
+        return (np.round(s), "least-squares") if accept(s) else (None, "least-squares failed")
+    try:
+        from scipy.optimize import linprog
+    except ImportError:    # pragma: no cover
+        return None, "unresolved"
+    for _ in range(6):
+        res = linprog(rng.standard_normal(m), A_eq=Cx, b_eq=-lx, bounds=[(0, 1)] * m, method="highs")
+        if res.status == 0 and accept(res.x):
+            return np.round(res.x), "linear program"
+    return None, "unresolved"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the method
+
+
+@checked(FFN)
+def extract_ffn(
+    oracle: Oracle,
+    *,
+    bias: bool = False,
+    rng: np.random.Generator | int = 0,
+    max_queries: int | None = None,
+    max_paths: int | None = None,
+    progress: Progress = None,
+) -> FFNExtraction:
+    """Recover a two-layer ReLU network from one-token value queries (Section 4.1's A_FFN).
+
+    Args:
+        oracle: answers ``f([x])`` for one-token queries (an FFN target, or a transformer read on one token).
+        bias: the FFN may have hidden and output biases (``w^T ReLU(A^T x + b1) + b2``); without, the
+            paper's ``w_o^T ReLU(A^T x)``.
+        rng: generator (or seed) for the paths and probe directions.
+        max_queries: the most queries this extraction may spend (:class:`BudgetExceeded` past it).
+        max_paths: paths searched at most (the first, then checks until one shows no new neuron); default
+            4, or 6 on float32 answers (close kinks merge more often, so phantoms take a path to clear).
+        progress: called with the number of queries answered after each oracle call.
+
+    Returns:
+        An :class:`FFNExtraction`: ``model`` equal to the target as a function; ``diagnostics`` say how
+        many kinks and neurons were found, whether the flips were resolved (``neurons_needed`` = m) or
+        not (m + 2).
+
+    Raises:
+        ModelMismatch: no kink at all (the answers are linear or affine in the token: not a ReLU network,
+            e.g. an attention head read on one token), or the paths keep showing new kinks.
+        NotIdentifiable: the answers do not depend on the token.
+    """
+    if max_paths is not None and max_paths < 2:
+        raise ValueError(f"max_paths must be >= 2 (one path and one check), got {max_paths}")
+    if max_queries is not None and max_queries < 1:
+        raise ValueError(f"max_queries must be >= 1, got {max_queries}")
+    t0 = time.perf_counter()
+    q0 = oracle.queries
+    rng = np.random.default_rng(rng)
+    bias = bool(bias)
+    d = oracle.d
+    D = d + int(bias)
+    F = _Homog(oracle, bias, max_queries, progress)
+    Z0 = rng.standard_normal((8, D))
+    if bias:
+        Z0[:, -1] = np.abs(Z0[:, -1]) + 1.0
+    first = F(Z0)
+    # the answers' precision, read from the answers themselves (not the homogeneous values s f(x / s))
+    eps = 2.0 ** -24 if looks_float32(F.raw) else 2.0 ** -53
+    ctx = _Ctx(F=F, D=D, bias=bias, eps=eps, rng=rng,
+               scale=float(np.max(np.abs(first)) / np.max(np.linalg.norm(Z0, axis=1))))
+
+    def refine(k: int) -> int:
+        q = _refine(ctx, neurons, k, grads=gradients2)
+        if ctx.f32 and not neurons[k].suspect:
+            q += _refine_lines(ctx, neurons, k)
+        return q
+
+    max_evals = 200_000
+    if max_paths is None:
+        max_paths = 6 if ctx.f32 else 4
+
+    # 1. kinks on the first path; 2. region gradients along it
+    P, Q, R = _path(ctx, rng)
+    segs = _search_path(ctx, P, Q, R, max_evals=max_evals)
+    kinks1 = sum(len(s[2]) for s in segs)
+    if kinks1 == 0:
+        spread = float(np.max(first) - np.min(first))
+        if spread <= 2.0 ** 10 * eps * float(np.max(np.abs(first))):
+            raise NotIdentifiable("the one-token answers do not depend on the token: no FFN is visible")
+        raise ModelMismatch(
+            "the target does not behave like a ReLU network on one-token queries: no kink anywhere on a path "
+            "that crosses every neuron's hyperplane, so the answers are " + ("affine" if bias else "linear")
+            + " in the token (an attention head read on one token is v^T x + beta: try --method exact)",
+            check="kinks", figure=0.0, threshold=1.0,
+            hint="one-token answers are linear: an attention head, or a linear model")
+    found, grads, stats = _region_jumps(ctx, segs)
+    neurons = _merge([nu for nu, _ in found])
+
+    # 3. refinement where each neuron is isolated
+    pass2 = 0
+    gradients2: list = []
+    for k in range(len(neurons)):
+        pass2 += refine(k)
+        neurons[k].tries += int(ctx.f32)
+    neurons = [nu for nu in neurons if not nu.suspect]
+    if ctx.f32:
+        neurons = _merge(neurons, tol=1e-6, gtol=0.05)
+
+    # 4. completeness on fresh paths
+    paths = 1
+    added = dropped = 0
+    kinks_per_path = [kinks1]
+    while True:
+        if paths >= max_paths:
+            raise ConvergenceError(f"ffn: {max_paths} paths searched and the last still showed kinks no recovered "
+                                   "neuron explains (raise max_paths, or the target is not a ReLU network)")
+        P, Q, R = _path(ctx, rng)
+        segs = _search_path(ctx, P, Q, R, max_evals=max_evals)
+        paths += 1
+        kinks_per_path.append(sum(len(s[2]) for s in segs))
+        new, missing, q = _check_path(ctx, neurons, segs)
+        changed = False
+        if missing:
+            keep = [nu for i, nu in enumerate(neurons) if i not in set(missing)]
+            dropped += len(neurons) - len(keep)
+            neurons = keep
+            changed = True
+        fresh = _merge(neurons + [nu for nu, _ in new])[len(neurons):]
+        if fresh:
+            start = len(neurons)
+            neurons = neurons + fresh
+            for k in range(start, len(neurons)):
+                pass2 += _refine(ctx, neurons, k, grads=gradients2) if ctx.f32 else refine(k)
+            bad = [nu for nu in neurons[start:] if nu.suspect]
+            neurons = [nu for nu in neurons if not nu.suspect]
+            added += len(fresh) - len(bad)
+            # (float32: a kink that only a phantom explained, e.g. two merged ones, changes nothing)
+            changed = changed or not ctx.f32 or len(fresh) > len(bad)
+        if ctx.f32:
+            # fit every hyperplane not yet fit to kink points, now that more of its neighbours are known;
+            # one that fails twice (or disagrees with its jump) is a phantom (two merged kinks)
+            for k, nu in enumerate(neurons):
+                if not nu.lines and not nu.suspect:
+                    pass2 += _refine_lines(ctx, neurons, k)
+                    nu.tries += 1
+            gone = [nu for nu in neurons if not nu.lines and (nu.suspect or nu.tries >= 2)]
+            if gone:
+                neurons = [nu for nu in neurons if not any(nu is g for g in gone)]
+                dropped += len(gone)
+                changed = True
+            before = len(neurons)
+            neurons = _merge(neurons, tol=1e-6, gtol=0.05)
+            dropped += before - len(neurons)
+        if not changed:
+            break
+    if not neurons:
+        raise ModelMismatch("the target does not behave like a ReLU network on one-token queries: kinks were "
+                            "seen but none is a neuron's hyperplane", check="kinks", figure=0.0, threshold=1.0)
+
+    # a neuron whose refinement was not reached (added, then its check path changed): measure it now
+    for k, nu in enumerate(neurons):
+        if not nu.refined or (ctx.f32 and not nu.lines and not nu.suspect):
+            pass2 += refine(k)
+    unrefined = sum(1 for nu in neurons if not nu.refined)
+    unfit = sum(1 for nu in neurons if ctx.f32 and not nu.lines)
+
+    # 5. the linear term from every gradient measured, then the flips
+    Nmat = np.array([nu.n for nu in neurons])
+    gam = np.array([nu.gamma for nu in neurons])
+    ls = []
+    for y, g in gradients2 + grads:
+        active = (Nmat @ y) > 0
+        ls.append(g - (gam[active, None] * Nmat[active]).sum(axis=0))
+    Ls = np.array(ls)
+    lin = Ls[: len(gradients2)].mean(axis=0) if gradients2 else np.median(Ls, axis=0)
+    lin_spread = float(np.max(np.linalg.norm(Ls[: max(len(gradients2), 1)] - lin, axis=1))) / max(
+        float(np.linalg.norm(gam)), 1e-300)
+    fit_rel = None
+    if ctx.f32 and ctx.samples:
+        gam, lin, fit_rel = _fit_output(ctx, Nmat, gam, lin)
+
+    Cx = (gam[:, None] * Nmat[:, :d]).T
+    s, how = _resolve_flips(Cx, lin[:d], rng, coarse=ctx.f32)
+    A = Nmat[:, :d].T.copy()
+    b1 = Nmat[:, d].copy() if bias else None
+    b2 = float(lin[d]) if bias else None
+    linear = None
+    if s is not None:
+        flip = s.astype(bool)
+        A[:, flip] *= -1.0
+        if bias:
+            b2 = b2 + float(np.sum(gam[flip] * Nmat[flip, d]))
+            b1[flip] *= -1.0
+    else:
+        linear = lin[:d].copy()
+    model = ReLUFFN(A=A, w=gam, b1=b1, b2=b2, linear=linear)
+
+    m_rec = len(neurons)
+    pts = np.array([nu.point for nu in neurons if nu.point is not None]).reshape(-1, D)
+    nrm = np.array([nu.n for nu in neurons if nu.point is not None]).reshape(-1, D)
+    mg = np.array([nu.margin for nu in neurons if nu.point is not None])
+    kin = pts[:, :d] / pts[:, d:] if bias else pts
+    diagnostics = {
+        "bias": bias,
+        "neurons": m_rec,
+        "neurons_needed": model.neurons,
+        "flips_resolved": s is not None,
+        "flip_method": how,
+        "flipped": int(np.sum(s)) if s is not None else None,
+        "kinks_found": int(sum(kinks_per_path)),
+        "kinks_path1": kinks1,
+        "paths": paths,
+        "regions": stats["regions"],
+        "regions_failed": stats["regions_failed"],
+        "kinks_unmeasured": stats["kinks_unmeasured"],
+        "neurons_added_later": added,
+        "neurons_dropped": dropped,
+        "unrefined": unrefined,
+        "checks_failed": ctx.checks_failed,
+        "min_margin": float(mg.min()) if mg.size else None,
+        "linear_spread": lin_spread,
+        "float32_answers": eps > 2.0 ** -40,
+    }
+    if ctx.f32:
+        diagnostics["hyperplanes_from_kink_points"] = m_rec - unfit
+        diagnostics["output_fit_rel_residual"] = fit_rel
+        diagnostics["output_fit_samples"] = len(ctx.samples)
+    if unfit:
+        diagnostics["warning"] = (f"{unfit} neuron(s) kept their gradient-jump hyperplane (too few kink points "
+                                  "on it): coarser precision")
+    if unrefined:
+        diagnostics["warning"] = f"{unrefined} neuron(s) could not be measured where isolated (coarser precision)"
+    return FFNExtraction(method="ffn", model=model, queries=oracle.queries - q0, seconds=time.perf_counter() - t0,
+                         diagnostics=diagnostics, kinks=kin, kink_normals=nrm, kink_margins=mg, kink_points=pts,
+                         bias=bias)

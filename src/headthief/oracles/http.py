@@ -1,0 +1,296 @@
+"""An oracle behind a model API: ``HTTPOracle("http://127.0.0.1:8000", api_key=...)`` (``headthief serve``).
+
+It reads ``GET /v1/info`` (the dimension, the batch, sequence-length and body limits, the output kind),
+splits every batch into requests within those limits and sends each to ``POST /v1/query`` with an
+``Idempotency-Key`` derived from the request's content and the run. So:
+
+- transport errors and 5xx answers are retried with a bounded exponential backoff (no jitter: the
+  waits are a function of the attempt number), a 409 (the same request still in flight) after its
+  ``Retry-After``, a 429 (rate limit) after its ``Retry-After``; every wait is bounded and running out
+  ends in :class:`~headthief.errors.OracleError` naming the last problem;
+- a retry whose first answer was lost (a crash of either side after the server charged) is answered
+  by the server from its ledger, free;
+- with a journal (``transcript=Journal(...)``, ``headthief extract --journal``) the run id is stored
+  in the journal, so a resumed run derives the same keys: batches already journaled are not sent at
+  all, and the one that was in flight when the client died is answered again without a charge.
+
+Errors: 401 -> :class:`~headthief.errors.SpecError` (a bad key is bad input); 403 budget ->
+:class:`~headthief.errors.BudgetExceeded` with the server's counts; 400 / 413 / 415 / 422 ->
+:class:`~headthief.errors.InvalidQuery` with the server's message; 403 flagged and anything else ->
+:class:`~headthief.errors.OracleError`. httpx is imported when an HTTPOracle is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sqlite3
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import BudgetExceeded, InvalidQuery, OracleError, SpecError
+from .base import Oracle
+
+JSON = "application/json"
+NPY = "application/x-npy"
+
+
+def payload_hash(X) -> bytes:
+    """A hash of a batch that depends only on its sequences' shapes and float64 values (not on how it
+    is framed, nor on whether it is one (n, N, d) array or a list of arrays of one shape); the server
+    checks an idempotent retry's payload with it too. SHA-256 (hardware-accelerated on most CPUs), the
+    first 16 bytes."""
+    h = hashlib.sha256()
+    if isinstance(X, np.ndarray):
+        h.update(b"U" + np.asarray(X.shape, dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(X, dtype="<f8"))
+        return h.digest()[:16]
+    shapes = {np.shape(x) for x in X}
+    if len(shapes) == 1:        # one shape: the same bytes as the stacked array, streamed
+        h.update(b"U" + np.asarray((len(X), *shapes.pop()), dtype="<i8").tobytes())
+        for x in X:
+            h.update(np.ascontiguousarray(x, dtype="<f8"))
+        return h.digest()[:16]
+    h.update(b"R")
+    for x in X:
+        x = np.ascontiguousarray(x, dtype="<f8")
+        h.update(np.asarray(x.shape, dtype="<i8").tobytes())
+        h.update(x)
+    return h.digest()[:16]
+
+
+def _journal_run_id(transcript) -> str | None:
+    """The run id stored in a journal (made and stored on first use), or None if it is not a journal."""
+    path = getattr(transcript, "path", None)
+    if path is None or not hasattr(transcript, "fingerprint"):
+        return None
+    try:
+        with sqlite3.connect(str(path), timeout=30) as db:
+            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('http_run_id', ?)", (os.urandom(16).hex(),))
+            return str(db.execute("SELECT value FROM meta WHERE key = 'http_run_id'").fetchone()[0])
+    except sqlite3.Error as e:
+        raise OracleError(f"journal {path}: cannot store the run id ({e})") from None
+
+
+class HTTPOracle(Oracle):
+    """Value queries to a ``headthief serve`` API (or any server that speaks its protocol).
+
+    Args:
+        url: the server, ``http://HOST:PORT``.
+        api_key: the key (``headthief keys add``); default: the ``HEADTHIEF_API_KEY`` environment variable.
+        framing: ``"npy"`` (binary, fast; default) or ``"json"``.
+        run_id: names the run in every idempotency key; default: stored in the journal when there is
+            one, else random per oracle.
+        timeout: seconds for one request.
+        retries: the most attempts per request after transport errors, 5xx and 409.
+        backoff: the first wait after a failed attempt (doubling up to ``max_backoff`` seconds).
+        max_wait: the most seconds in all spent waiting out 429s before giving up.
+        **kw: budget / transcript / input_norm of the oracle itself (input_norm defaults to the server's).
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, framing: str = "npy", run_id: str | None = None,
+                 timeout: float = 120.0, retries: int = 12, backoff: float = 0.05, max_backoff: float = 5.0,
+                 max_wait: float = 600.0, client=None, **kw):
+        import httpx
+        if framing not in ("npy", "json"):
+            raise SpecError(f"framing={framing!r}: use npy or json")
+        if retries < 1:
+            raise ValueError(f"retries must be >= 1, got {retries}")
+        self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("HEADTHIEF_API_KEY")
+        self.framing = framing
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.max_backoff = float(max_backoff)
+        self.max_wait = float(max_wait)
+        self._http = client or httpx.Client(timeout=timeout)
+        self._httpx = httpx
+        self.requests = 0          # HTTP query requests answered 200
+        self.retried = 0           # attempts repeated after a transport error, 5xx or 409
+        self.rate_waits = 0        # 429s waited out
+        self.waited = 0.0          # seconds spent waiting (backoff and Retry-After)
+        self.server_replays = 0    # requests the server answered from its ledger (free)
+        self.info = self._get_info()
+        if kw.get("input_norm") is None and self.info.get("input_norm") is not None:
+            kw["input_norm"] = float(self.info["input_norm"])
+        super().__init__(int(self.info["d"]), **kw)
+        self.max_batch = int(self.info.get("max_batch", 1024))
+        self.max_len = int(self.info.get("max_len", 4096))
+        self.max_body = int(self.info.get("max_body_bytes", 2**26))
+        self.run_id = run_id or _journal_run_id(self.transcript) or os.urandom(16).hex()
+
+    def _settings(self) -> str:
+        return f"{self.url!r}, framing={self.framing!r}, " + super()._settings()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- transport ----------------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _sleep(self, seconds: float) -> None:
+        self.waited += seconds
+        time.sleep(seconds)
+
+    def _get_info(self) -> dict[str, Any]:
+        last = ""
+        for attempt in range(self.retries):
+            try:
+                r = self._http.get(self.url + "/v1/info")
+            except self._httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200:
+                    try:
+                        info = r.json()
+                        int(info["d"])
+                    except (ValueError, KeyError, TypeError):
+                        raise OracleError(f"{self.url}/v1/info did not return a headthief info document") from None
+                    return info
+                if r.status_code < 500:
+                    raise OracleError(f"{self.url}/v1/info answered {r.status_code}: {r.text[:200]}")
+                last = f"HTTP {r.status_code}"
+            self._sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
+        raise OracleError(f"no answer from {self.url}/v1/info after {self.retries} attempts ({last})")
+
+    def usage(self) -> dict[str, Any]:
+        """This key's budget and queries used, as the server counts them (``GET /v1/usage``)."""
+        r = self._http.get(self.url + "/v1/usage", headers=self._headers())
+        if r.status_code != 200:
+            raise OracleError(f"{self.url}/v1/usage answered {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def _per_request(self, N: int) -> int:
+        per_seq = N * self.d * (8 if self.framing == "npy" else 26) + 16
+        return max(1, min(self.max_batch, (self.max_body - 1024) // per_seq))
+
+    def _query(self, X) -> np.ndarray:
+        seqs = X if isinstance(X, np.ndarray) else X
+        n = int(X.shape[0]) if isinstance(X, np.ndarray) else len(X)
+        lengths = np.array([X.shape[1]] * n if isinstance(X, np.ndarray) else [x.shape[0] for x in X])
+        if lengths.max() > self.max_len:
+            raise InvalidQuery(f"a sequence has {int(lengths.max())} tokens; the server accepts at most {self.max_len}")
+        if self.framing == "npy" and not isinstance(X, np.ndarray):
+            groups = [np.flatnonzero(lengths == N) for N in sorted(set(lengths.tolist()))]
+        else:
+            groups = [np.arange(n)]
+        y = np.empty(n)
+        for idx in groups:
+            step = self._per_request(int(lengths[idx].max()))
+            for s in range(0, len(idx), step):
+                part = idx[s:s + step]
+                if isinstance(seqs, np.ndarray):
+                    chunk = seqs[part[0]:part[-1] + 1] if len(groups) == 1 else seqs[part]
+                else:
+                    chunk = [seqs[i] for i in part]
+                y[part] = self._send(chunk)
+        return y
+
+    def _send(self, chunk) -> np.ndarray:
+        n = int(chunk.shape[0]) if isinstance(chunk, np.ndarray) else len(chunk)
+        idem = hashlib.blake2b(self.run_id.encode() + payload_hash(chunk), digest_size=20).hexdigest()
+        if self.framing == "npy":
+            A = chunk if isinstance(chunk, np.ndarray) else np.stack(chunk)
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(A, dtype="<f8"), allow_pickle=False)
+            body, ctype = buf.getvalue(), NPY
+        else:
+            body = json.dumps({"sequences": [np.asarray(x).tolist() for x in chunk]}, separators=(",", ":")).encode()
+            ctype = JSON
+        headers = {**self._headers(), "Idempotency-Key": idem, "Content-Type": ctype, "Accept": ctype}
+        last = ""
+        attempt = 0
+        rate_waited = 0.0
+        while True:
+            try:
+                r = self._http.post(self.url + "/v1/query", content=body, headers=headers)
+            except self._httpx.TransportError as e:
+                last, status = f"{type(e).__name__}: {e}", None
+            else:
+                status = r.status_code
+                if status == 200:
+                    self.requests += 1
+                    return self._parse(r, n)
+                last = f"HTTP {status}: {self._detail(r)}"
+                if status == 429:
+                    wait = self._retry_after(r, 1.0)
+                    if rate_waited + wait > self.max_wait:
+                        raise OracleError(f"{self.url}: still rate limited after waiting {rate_waited:.0f} s "
+                                          f"(the most is {self.max_wait:.0f} s): {last}")
+                    rate_waited += wait
+                    self.rate_waits += 1
+                    self._sleep(wait)
+                    continue
+                if status < 500 and status != 409:
+                    self._raise(r, status, n)
+            attempt += 1
+            if attempt >= self.retries:
+                raise OracleError(f"no answer from {self.url} after {attempt} attempts (last: {last}); the answers "
+                                  "paid for are kept by the server under this run's idempotency keys")
+            self.retried += 1
+            wait = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+            if status == 409:
+                wait = max(wait, self._retry_after(r, wait))
+            self._sleep(wait)
+
+    @staticmethod
+    def _retry_after(r, default: float) -> float:
+        try:
+            return max(0.0, float(r.headers.get("retry-after", default)))
+        except ValueError:
+            return default
+
+    @staticmethod
+    def _detail(r) -> str:
+        try:
+            doc = r.json()
+            return str(doc.get("detail", doc))
+        except ValueError:
+            return r.text[:300]
+
+    def _parse(self, r, n: int) -> np.ndarray:
+        ctype = (r.headers.get("content-type") or "").split(";")[0].strip()
+        try:
+            if ctype == NPY:
+                y = np.load(io.BytesIO(r.content), allow_pickle=False)
+                replayed = r.headers.get("x-headthief-replayed") == "true"
+            else:
+                doc = r.json()
+                y = np.asarray(doc["values"], dtype=np.float64)
+                replayed = bool(doc.get("replayed"))
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise OracleError(f"{self.url} sent an answer that does not decode ({e})") from None
+        if replayed:
+            self.server_replays += 1
+        if y.shape != (n,):
+            raise OracleError(f"{self.url} sent {y.size} values for {n} sequences")
+        return y
+
+    def _raise(self, r, status: int, n: int):
+        try:
+            doc = r.json()
+        except ValueError:
+            doc = {}
+        detail = doc.get("detail") or r.text[:300]
+        if status == 401:
+            raise SpecError(f"{self.url} refused the API key (401: {detail}); give a key with --api-key or "
+                            "HEADTHIEF_API_KEY (make one with `headthief keys add`)")
+        if status == 403 and doc.get("error") == "budget_exceeded":
+            raise BudgetExceeded(int(doc.get("spent", 0)), int(doc.get("budget", 0)), int(doc.get("requested", n)))
+        if status in (400, 413, 415, 422):
+            raise InvalidQuery(f"{self.url} refused the batch ({status}): {detail}")
+        raise OracleError(f"{self.url} refused the batch ({status}): {detail}")

@@ -1,0 +1,336 @@
+"""The HTTP API (FastAPI): ``GET /v1/info``, ``POST /v1/query``, ``GET /v1/usage``; OpenAPI at ``/openapi.json``.
+
+``POST /v1/query`` handles a request in this order, answering the first problem it finds:
+
+1. ``Authorization: Bearer KEY`` names a known key, else **401**;
+2. an ``Idempotency-Key`` header (1 to 255 characters) is present, else **400**;
+3. the content type is JSON or ``application/x-npy``, else **415**; the body is at most
+   ``max_body_bytes``, else **413**; it decodes into sequences of the published dimension, every entry
+   finite and every token within the input-norm bound, else **422** naming the problem; at most
+   ``max_batch`` sequences of at most ``max_len`` tokens, else **413**;
+4. the key's rate limit has a request left, else **429** with ``Retry-After``;
+5. the key is not refused by the query-distribution detector, else **403** (``error: flagged``);
+6. the idempotency key: already charged with the same payload: the stored response again, free;
+   with another payload: **422**; still being computed: **409**;
+7. the budget covers the batch, else **403** (``error: budget_exceeded``, with ``spent`` and ``budget``);
+8. the answers are computed, charged and stored in one transaction (see
+   :mod:`headthief.server.accounts`), then sent.
+"""
+
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..errors import InvalidQuery, OracleError
+from ..oracles.http import payload_hash
+from .accounts import Accounts, KeyRecord
+from .defences import Defence, Prada, parse_defence
+from .framing import FRAMINGS, JSON, NPY, FramingError, decode, encode_json, encode_npy, media_type
+
+MAX_BODY_BYTES = 64 * 2**20
+MAX_IDEM_KEY = 255
+MAX_ABS_ENTRY = 1e100     # larger entries overflow the head's scores (x^T W x) in float64: refused, 422
+
+
+class Problem(Exception):
+    """An HTTP error answer: status, a machine-readable code, a message naming the problem, extras."""
+
+    def __init__(self, status: int, error: str, detail: str, headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+class Service:
+    """Everything the API does, without HTTP: the target, the accounts, the defences, the detectors.
+
+    Args:
+        target_spec: the target to serve (``random:d=64,seed=1``, ...; see ``headthief targets``).
+        db: the accounts database (see :class:`~headthief.server.accounts.Accounts`).
+        defence: the server-wide defence; a key's own defence is laid over it.
+        max_body_bytes: the largest request body accepted.
+    """
+
+    def __init__(self, target_spec: str, db, *, defence: Defence | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+        from ..targets import resolve
+        self.target = resolve(target_spec)
+        if target_spec.startswith(("http://", "https://")):
+            raise InvalidQuery("serving an http:// target would proxy another server; serve a local target")
+        self.accounts = db if isinstance(db, Accounts) else Accounts(db)
+        self.defence = defence or Defence()
+        self.max_body_bytes = int(max_body_bytes)
+        self._oracles: dict[Defence, Any] = {}
+        self._prada: dict[int, Prada] = {}
+
+    def __repr__(self) -> str:
+        return f"Service({self.target.spec!r}, {self.accounts!r}, defence={self.defence.settings()})"
+
+    def defence_for(self, rec: KeyRecord) -> Defence:
+        return parse_defence(rec.defence, self.defence) if rec.defence else self.defence
+
+    def oracle_for(self, defence: Defence):
+        o = self._oracles.get(defence)
+        if o is None:
+            o = defence.wrap(self.target.make_oracle(input_norm=defence.norm), self.accounts.secret)
+            self._oracles[defence] = o
+        return o
+
+    def info(self) -> dict[str, Any]:
+        d = self.defence
+        return {"d": self.target.d, "bias": bool(self.target.bias), "output": d.output(), "max_batch": d.max_batch,
+                "max_len": d.max_len, "max_body_bytes": self.max_body_bytes, "input_norm": d.norm,
+                "framings": list(FRAMINGS), "idempotency": "required", "max_abs_entry": MAX_ABS_ENTRY, "version": __version__}
+
+    def authenticate(self, authorization: str | None) -> KeyRecord:
+        if not authorization:
+            raise Problem(401, "unauthorized", "no API key: send 'Authorization: Bearer KEY'",
+                          {"WWW-Authenticate": "Bearer"})
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Problem(401, "unauthorized", "the Authorization header must be 'Bearer KEY'",
+                          {"WWW-Authenticate": "Bearer"})
+        rec = self.accounts.lookup(key.strip())
+        if rec is None:
+            raise Problem(401, "unauthorized", "unknown API key", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        return rec
+
+    def usage(self, authorization: str | None) -> dict[str, Any]:
+        rec = self.authenticate(authorization)
+        return {"name": rec.name, "used": rec.used, "budget": rec.budget, "rate": rec.rate,
+                "flagged_at": rec.flagged_at}
+
+    def query(self, authorization: str | None, idem_key: str | None, content_type: str | None,
+              body: bytes, accept: str | None) -> tuple[bytes, str, dict[str, str]]:
+        """Answer one request: (body, media type, headers), or raise :class:`Problem`."""
+        rec = self.authenticate(authorization)
+        if not idem_key:
+            raise Problem(400, "idempotency_key_missing",
+                          "every query request needs an Idempotency-Key header (1 to 255 characters)")
+        if len(idem_key) > MAX_IDEM_KEY:
+            raise Problem(400, "idempotency_key_invalid", f"the Idempotency-Key has {len(idem_key)} characters; "
+                          f"the most is {MAX_IDEM_KEY}")
+        mt = media_type(content_type) or JSON
+        if mt not in FRAMINGS:
+            raise Problem(415, "unsupported_media_type", f"content type {mt!r} is not accepted; use "
+                          f"{' or '.join(FRAMINGS)}")
+        out_mt = media_type(accept)
+        out_mt = out_mt if out_mt in FRAMINGS else mt
+        if len(body) > self.max_body_bytes:
+            raise Problem(413, "payload_too_large", f"the body has {len(body)} bytes; the most is {self.max_body_bytes}")
+        defence = self.defence_for(rec)
+        X, n = self._decode(body, mt, defence)
+        oracle = self.oracle_for(defence)
+        if defence.norm is not None:
+            try:
+                oracle._check_norm(X)
+            except InvalidQuery as e:
+                raise Problem(422, "invalid_batch", str(e)) from None
+        wait = self.accounts.take_token(rec)
+        if wait > 0:
+            secs = max(1, math.ceil(wait))
+            raise Problem(429, "rate_limited", f"rate limit of {rec.rate:g} requests per second exceeded; retry "
+                          f"after {secs} s", {"Retry-After": str(secs)}, retry_after=secs)
+        if rec.flagged_at is not None and defence.prada == "refuse":
+            raise Problem(403, "flagged", f"this key's queries were flagged as a model-extraction attack (PRADA "
+                          f"detector, at query {rec.flagged_at}); it is refused from then on",
+                          flagged_at=rec.flagged_at)
+        ph = payload_hash(X)
+        state, info = self.accounts.begin(rec, idem_key, n)
+        if state == "replay":
+            if info.payload_hash != ph:
+                raise Problem(422, "idempotency_key_reused", "this Idempotency-Key was used before with a different "
+                              "payload; use a new key for a new batch")
+            return self._answer(info.answers, out_mt, charged=0, used=self.accounts.get(rec.id).used,
+                                budget=rec.budget, replayed=True, flagged=info.flagged)
+        if state == "inflight":
+            raise Problem(409, "in_flight", "a request with this Idempotency-Key is still being processed; retry "
+                          "when it is done", {"Retry-After": "1"})
+        if state == "budget":
+            used, budget, reserved = info
+            raise Problem(403, "budget_exceeded", f"query budget exceeded: {used} queries spent, budget {budget}, "
+                          f"this batch needs {n} more" + (f" ({reserved} in flight)" if reserved else ""),
+                          spent=used, budget=budget, requested=n)
+        try:
+            try:
+                y = oracle.query(X)
+            except (InvalidQuery, OracleError) as e:
+                raise Problem(422, "invalid_batch", f"the model cannot answer this batch: {e}") from None
+            flag_at = None
+            if defence.prada != "off":
+                det = self._prada.get(rec.id)
+                if det is None:
+                    det = self._prada.setdefault(rec.id, Prada(defence.prada_delta, defence.prada_min))
+                    det.base = rec.used     # queries the key had paid before this server process saw any
+                flagged_now = det.observe(X)
+                if flagged_now is not None and rec.flagged_at is None:
+                    flag_at = det.base + flagged_now
+            used = self.accounts.charge(rec, idem_key, ph, y, flagged=flag_at is not None or rec.flagged_at is not None,
+                                        flag_at=flag_at)
+        except BaseException:
+            self.accounts.abandon(rec, idem_key, n)
+            raise
+        return self._answer(y, out_mt, charged=n, used=used, budget=rec.budget, replayed=False,
+                            flagged=flag_at is not None or rec.flagged_at is not None)
+
+    def _decode(self, body: bytes, mt: str, defence: Defence):
+        from ..oracles.base import as_batch
+        try:
+            X = as_batch(decode(body, mt), self.target.d)
+        except FramingError as e:
+            raise Problem(422, "invalid_batch", str(e)) from None
+        except InvalidQuery as e:
+            raise Problem(422, "invalid_batch", str(e)) from None
+        n = int(X.shape[0]) if isinstance(X, np.ndarray) else len(X)
+        big = float(np.abs(X).max()) if isinstance(X, np.ndarray) and X.size else max(
+            (float(np.abs(x).max()) for x in X), default=0.0) if not isinstance(X, np.ndarray) else 0.0
+        if big > MAX_ABS_ENTRY:
+            raise Problem(422, "invalid_batch", f"an entry has magnitude {big:.3g}; the most is {MAX_ABS_ENTRY:g} "
+                          "(larger ones overflow the model's float64 scores)")
+        if n == 0:
+            raise Problem(422, "invalid_batch", "the batch is empty: send at least one sequence")
+        if n > defence.max_batch:
+            raise Problem(413, "batch_too_large", f"the batch has {n} sequences; the most is {defence.max_batch}")
+        longest = int(X.shape[1]) if isinstance(X, np.ndarray) else max(x.shape[0] for x in X)
+        if longest > defence.max_len:
+            raise Problem(413, "sequence_too_long", f"a sequence has {longest} tokens; the most is {defence.max_len}")
+        return X, n
+
+    @staticmethod
+    def _answer(y: np.ndarray, mt: str, **fields: Any) -> tuple[bytes, str, dict[str, str]]:
+        if mt == NPY:
+            headers = {f"X-Headthief-{k.capitalize()}": ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
+                       for k, v in fields.items()}
+            return encode_npy(np.asarray(y, dtype="<f8")), NPY, headers
+        return encode_json({"values": np.asarray(y, dtype=np.float64).tolist(), **fields}), JSON, {}
+
+
+def _openapi_extras(d: int, defence: Defence) -> dict[str, Any]:
+    seq = {"type": "array", "minItems": 1, "maxItems": defence.max_len,
+           "items": {"type": "array", "minItems": d, "maxItems": d,
+                     "items": {"type": "number", "minimum": -MAX_ABS_ENTRY, "maximum": MAX_ABS_ENTRY}}}
+    return {
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": True,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEM_KEY},
+                        "description": "a unique key per batch; a retry with the same key is answered again, free"}],
+        "requestBody": {"required": True, "content": {
+            JSON: {"schema": {"type": "object", "additionalProperties": False, "required": ["sequences"],
+                              "properties": {"sequences": {"type": "array", "minItems": 1,
+                                                           "maxItems": defence.max_batch, "items": seq}}}},
+            NPY: {"schema": {"type": "string", "format": "binary"}}}},
+        "security": [{"bearer": []}],
+    }
+
+
+def create_app(service: Service):
+    """The FastAPI application of a :class:`Service`."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel
+    from starlette.concurrency import run_in_threadpool
+
+    class Info(BaseModel):
+        d: int
+        bias: bool
+        output: str
+        max_batch: int
+        max_len: int
+        max_body_bytes: int
+        max_abs_entry: float
+        input_norm: float | None
+        framings: list[str]
+        idempotency: str
+        version: str
+
+    class QueryAnswer(BaseModel):
+        values: list[float]
+        charged: int
+        used: int
+        budget: int | None
+        replayed: bool
+        flagged: bool
+
+    class Usage(BaseModel):
+        name: str
+        used: int
+        budget: int | None
+        rate: float | None
+        flagged_at: int | None
+
+    class Error(BaseModel):
+        error: str
+        detail: str
+
+    def err(desc: str, headers: dict | None = None) -> dict:
+        out: dict[str, Any] = {"model": Error, "description": desc}
+        if headers:
+            out["headers"] = headers
+        return out
+
+    retry_after = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds to wait"}}
+    app = FastAPI(title="headthief model API", version=__version__,
+                  description="Black-box queries to one attention head, with API keys, budgets, rate limits, "
+                              "exactly-once charging (Idempotency-Key) and defences.")
+    app.state.service = service
+
+    def problem_response(p: Problem):
+        return JSONResponse({"error": p.error, "detail": p.detail, **p.extra}, status_code=p.status, headers=p.headers)
+
+    @app.get("/v1/info", response_model=Info, summary="what the provider publishes (no weights)")
+    def info():
+        return service.info()
+
+    @app.get("/v1/usage", response_model=Usage, summary="this key's budget and queries used",
+             responses={401: err("no or unknown API key")}, openapi_extra={"security": [{"bearer": []}]})
+    def usage(request: Request):
+        try:
+            return service.usage(request.headers.get("authorization"))
+        except Problem as p:
+            return problem_response(p)
+
+    @app.post("/v1/query", response_model=QueryAnswer, summary="answer a batch of sequences, one value each",
+              responses={200: {"content": {NPY: {"schema": {"type": "string", "format": "binary"}}},
+                               "description": "one value per sequence"},
+                         400: err("no or invalid Idempotency-Key"), 401: err("no or unknown API key"),
+                         403: err("budget spent, or the key was flagged by the detector"),
+                         409: err("a request with this Idempotency-Key is still in flight", retry_after),
+                         413: err("too many sequences, tokens or bytes"), 415: err("unsupported content type"),
+                         422: err("a malformed batch, or an Idempotency-Key reused with another payload"),
+                         429: err("rate limit exceeded", retry_after)},
+              openapi_extra=_openapi_extras(service.target.d, service.defence))
+    async def query(request: Request):
+        h = request.headers
+        try:
+            length = h.get("content-length")
+            if length is not None and length.isdigit() and int(length) > service.max_body_bytes:
+                raise Problem(413, "payload_too_large", f"the body has {length} bytes; the most is "
+                              f"{service.max_body_bytes}")
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > service.max_body_bytes:
+                    raise Problem(413, "payload_too_large", f"the body has more than {service.max_body_bytes} bytes")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            out, mt, headers = await run_in_threadpool(service.query, h.get("authorization"), h.get("idempotency-key"),
+                                                       h.get("content-type"), body, h.get("accept"))
+        except Problem as p:
+            return problem_response(p)
+        return Response(out, media_type=mt, headers=headers)
+
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+                "type": "http", "scheme": "bearer", "description": "an API key from `headthief keys add`"}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app

@@ -1,0 +1,46 @@
+"""The ``http://HOST:PORT[?framing=json|npy]`` target: a model behind a ``headthief serve`` API.
+
+The key comes from ``--api-key`` (the ``api_key`` setting of :func:`headthief.targets.resolve`) or the
+``HEADTHIEF_API_KEY`` environment variable. The truth is unknown to the client (errors print as ``-``);
+compare recovered parameters with ``--save``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from ..errors import OracleError, SpecError
+from .base import Target
+
+
+def build_http(spec: str, ctx: dict[str, Any]) -> Target:
+    from ..oracles.http import HTTPOracle
+    parts = urlsplit(spec)
+    if not parts.hostname or parts.path not in ("", "/"):
+        raise SpecError(f"an http target is http://HOST:PORT[?framing=json|npy], got {spec!r}")
+    opts = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(opts) - {"framing"}
+    if unknown:
+        raise SpecError(f"unknown option(s) for an http target: {', '.join(sorted(unknown))} (allowed: framing)")
+    framing = opts.get("framing", "npy")
+    if framing not in ("npy", "json"):
+        raise SpecError(f"framing={framing!r}: use npy or json")
+    url = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+    api_key = ctx.get("api_key")
+    try:
+        probe = HTTPOracle(url, api_key=api_key, framing=framing, retries=3)
+    except ImportError as e:
+        raise SpecError(f"an http target needs httpx: pip install 'headthief[serve]' ({e})") from None
+    except OracleError as e:
+        raise SpecError(str(e)) from None
+    info = dict(probe.info)
+    probe.close()
+    d = int(info["d"])
+    if ctx.get("d") is not None and int(ctx["d"]) != d:
+        raise SpecError(f"--d {ctx['d']} but the server at {url} serves d = {d}")
+    bias = bool(ctx.get("bias")) or bool(info.get("bias"))
+    return Target(spec=spec, d=d, bias=bias, truth=None,
+                  make_oracle=lambda **kw: HTTPOracle(url, api_key=api_key, framing=framing, **kw),
+                  info={"server_" + k: v for k, v in info.items() if k in ("output", "max_batch", "max_len", "version")}
+                  | {"framing": framing})

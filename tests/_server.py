@@ -1,0 +1,84 @@
+"""Helpers for the server tests: a real ``headthief serve`` process on 127.0.0.1 (a free port), and keys."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HEADTHIEF = [sys.executable, "-m", "headthief.cli"]
+
+
+def headthief(*args, check=True, env=None, timeout=120) -> subprocess.CompletedProcess:
+    r = subprocess.run([*HEADTHIEF, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    if check and r.returncode != 0:
+        raise AssertionError(f"headthief {' '.join(map(str, args))} exited {r.returncode}: {r.stderr}")
+    return r
+
+
+def add_key(db, name, *opts) -> str:
+    key = headthief("keys", "add", name, "--db", db, *opts).stdout
+    assert re.fullmatch(r"ht_[A-Za-z0-9_-]{40,}\n", key), key
+    return key.strip()
+
+
+class Server:
+    """``headthief serve TARGET --db DB`` in a subprocess; ``url`` once it listens. SIGKILL-able, restartable."""
+
+    def __init__(self, target: str, db, *opts: str, workdir=None):
+        self.target, self.db, self.opts = target, Path(db), list(opts)
+        self.workdir = Path(workdir or self.db.parent)
+        self.proc = None
+        self.port = 0
+        self.starts = 0
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        self.starts += 1
+        log = self.workdir / f"serve{self.starts}.err"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([*HEADTHIEF, "serve", "--target", self.target, "--db", str(self.db),
+                                      "--port", str(self.port), *self.opts],
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text())
+            if m:
+                self.port = int(m.group(1))
+                return self
+            if self.proc.poll() is not None:
+                raise AssertionError(f"headthief serve exited {self.proc.returncode}: {log.read_text()}")
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"headthief serve did not start in {timeout} s: {log.read_text()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

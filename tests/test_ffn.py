@@ -1,0 +1,218 @@
+"""The ReLU FFN learner (issue 10, item 2 and item 4's first bullet) and its model check."""
+
+import json
+
+import numpy as np
+import pytest
+
+from headthief.cli import main
+from headthief.errors import BudgetExceeded, InvalidQuery, ModelMismatch, NotIdentifiable
+from headthief.extraction.transformer.ffn import extract_ffn
+from headthief.extraction.transformer.kinks import find_kinks
+from headthief.models.attention import random_head
+from headthief.models.ffn import ReLUFFN, canonical, compare_ffn, random_ffn
+from headthief.oracles.base import CallableOracle, ModelOracle
+
+
+def fidelity(res, truth, n=10_000, seed=7):
+    """Max |error| / RMS on n Gaussian points, and next to every recovered kink (both sides)."""
+    Z = np.random.default_rng(seed).standard_normal((n, truth.d))
+    yt = truth(Z)
+    rms = np.sqrt(np.mean(yt ** 2))
+    near = res.near_kink_points(rng=seed, per_side=2)
+    return (np.max(np.abs(res.predict(Z) - yt)) / rms, np.max(np.abs(res.predict(near) - truth(near))) / rms,
+            near.shape[0])
+
+
+# --------------------------------------------------------------------------- the model and its symmetries
+
+
+def test_model_validates_and_answers_one_token_only():
+    f = random_ffn(4, 3, 0)
+    assert f(np.zeros((2, 4))).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        ReLUFFN(A=np.ones((4, 3)), w=np.ones(2))
+    with pytest.raises(InvalidQuery):
+        ModelOracle(f).query(np.zeros((1, 2, 4)))
+    assert ModelOracle(f).query(np.ones((3, 1, 4))).shape == (3,)
+
+
+def test_canonical_and_compare_see_through_permutation_rescaling_and_flips():
+    f = random_ffn(6, 5, 1, bias=True)
+    c = canonical(f)
+    Z = np.random.default_rng(0).standard_normal((100, 6))
+    assert np.allclose(c(Z), f(Z), rtol=0, atol=1e-13)
+    assert np.allclose(np.linalg.norm(c.A, axis=0), 1.0)
+    # permute, rescale by t > 0, flip neuron 0 into a linear term: the same function
+    perm = [3, 0, 4, 1, 2]
+    t = np.array([2.0, 0.5, 3.0, 1.0, 7.0])
+    A, w, b = f.A[:, perm] * t, f.w[perm] / t, f.b1[perm] * t
+    k = 1                      # neuron perm[1] = 0 faces the other way
+    lin = w[k] * A[:, k]
+    b2 = f.b2 + w[k] * b[k]
+    A[:, k], b[k] = -A[:, k], -b[k]
+    g = ReLUFFN(A=A, w=w, b1=b, b2=b2, linear=lin)
+    assert g.neurons == 7
+    r = compare_ffn(g, f)
+    assert r["matched"] == 5 and r["flips"] == 1
+    assert r["neuron_rel_err"] < 1e-13 and r["function_rel_err"] < 1e-13
+
+
+# --------------------------------------------------------------------------- the bias-free learner
+
+
+def test_m_below_d_gives_the_exact_canonical_form_with_flips_resolved():
+    """Acceptance: ffn:d=32,m=16,seed=1: m neurons, every w_i a_i within 1e-9, function within 1e-10."""
+    truth = random_ffn(32, 16, 1)
+    res = extract_ffn(ModelOracle(truth), rng=0)
+    r = compare_ffn(res.model, truth)
+    assert res.diagnostics["flips_resolved"] and res.model.linear is None
+    assert res.neurons == 16 and r["matched"] == 16 and r["flips"] == 0
+    assert r["neuron_rel_err"] <= 1e-9
+    rand, kink, k = fidelity(res, truth)
+    assert rand <= 1e-10 and kink <= 1e-10 and k == 4 * 16
+    assert 1500 <= res.queries <= 3000          # measured 2,044
+    assert res.check.verdict == "pass"
+
+
+def test_m_above_d_is_functionally_exact_under_10000_queries():
+    """Acceptance: ffn:d=32,m=64,seed=1 (m > d): 1e-10 on 10,000 random points and next to every kink."""
+    truth = random_ffn(32, 64, 1)
+    res = extract_ffn(ModelOracle(truth), rng=0)
+    rand, kink, _ = fidelity(res, truth)
+    assert rand <= 1e-10 and kink <= 1e-10
+    assert res.queries <= 10_000                # measured 7,495
+    assert res.diagnostics["neurons"] == 64
+    assert res.neurons in (64, 66)               # m with the flips resolved, m + 2 otherwise
+    assert compare_ffn(res.model, truth)["matched"] == 64
+
+
+def test_wide_network_falls_back_to_m_plus_2_and_stays_exact():
+    truth = random_ffn(8, 64, 3)                # m = 8 d: the flip search has no unique 0/1 vertex
+    res = extract_ffn(ModelOracle(truth), rng=1)
+    assert res.diagnostics["neurons"] == 64
+    assert res.neurons in (64, 66)
+    if not res.diagnostics["flips_resolved"]:
+        assert res.neurons == 66 and res.model.linear is not None
+    rand, kink, _ = fidelity(res, truth, n=4000)
+    assert rand <= 1e-10 and kink <= 1e-10
+
+
+def test_tiny_neurons_are_found():
+    """Sparse option without biases: a quarter of the neurons carry 1e-3 of the usual output weight."""
+    truth = random_ffn(16, 32, 5, sparse=0.25)
+    res = extract_ffn(ModelOracle(truth), rng=0)
+    r = compare_ffn(res.model, truth)
+    assert r["matched"] == 32 and r["neuron_rel_err"] <= 1e-7     # relative to each (tiny) neuron
+    assert fidelity(res, truth, n=2000)[0] <= 1e-10
+
+
+def test_same_seed_same_queries():
+    truth = random_ffn(8, 6, 2)
+    a = extract_ffn(ModelOracle(truth), rng=3)
+    b = extract_ffn(ModelOracle(truth), rng=3)
+    assert a.queries == b.queries and np.array_equal(a.model.A, b.model.A)
+
+
+# --------------------------------------------------------------------------- biases (Carlini et al. 2020 style)
+
+
+def test_biased_ffn_is_recovered_with_its_biases():
+    truth = random_ffn(16, 32, 1, bias=True)
+    res = extract_ffn(ModelOracle(truth), bias=True, rng=0)
+    r = compare_ffn(res.model, truth)
+    assert r["matched"] == 32 and r["neuron_rel_err"] <= 1e-9 and r["bias_rel_err"] <= 1e-9
+    rand, kink, _ = fidelity(res, truth, n=4000)
+    assert rand <= 1e-10 and kink <= 1e-10
+    assert res.diagnostics["flips_resolved"] and abs(res.model.b2 - truth.b2) <= 1e-9
+
+
+def test_rarely_active_neurons_are_not_missed():
+    """A third of the neurons fire on ~0.1 % of Gaussian inputs (the neurons a reference attack missed)."""
+    truth = random_ffn(32, 48, 2, bias=True, sparse=1 / 3)
+    Z = np.random.default_rng(0).standard_normal((20_000, 32))
+    share = np.mean((Z @ truth.A + truth.b1) > 0, axis=0)
+    assert np.sum(share < 0.01) >= 16            # the test really has rarely active neurons
+    res = extract_ffn(ModelOracle(truth), bias=True, rng=0)
+    r = compare_ffn(res.model, truth)
+    assert r["matched"] == 48 and r["neuron_rel_err"] <= 1e-8
+    rand, kink, _ = fidelity(res, truth, n=4000)
+    assert rand <= 1e-10 and kink <= 1e-10
+
+
+# --------------------------------------------------------------------------- out of class, bad input, budgets
+
+
+def test_tanh_network_is_a_model_mismatch():
+    rng = np.random.default_rng(0)
+    A, w = rng.standard_normal((8, 16)) / 3, rng.standard_normal(16)
+
+    def tanh_net(seqs):
+        return [float(np.tanh(s[-1] @ A) @ w) for s in seqs]
+
+    with pytest.raises(ModelMismatch) as e:
+        extract_ffn(CallableOracle(tanh_net, 8))
+    assert e.value.check == "homogeneity"
+    with pytest.raises(ModelMismatch) as e:
+        extract_ffn(CallableOracle(tanh_net, 8), bias=True)
+    assert e.value.check == "piecewise linear"
+
+
+def test_attention_head_on_one_token_is_a_model_mismatch():
+    with pytest.raises(ModelMismatch) as e:
+        extract_ffn(ModelOracle(random_head(8, rng=1)))
+    assert e.value.check == "kinks"
+    with pytest.raises(ModelMismatch) as e:
+        extract_ffn(ModelOracle(random_head(8, rng=1, bias=True)))
+    assert e.value.check == "zero token"
+
+
+def test_biased_target_read_without_bias_fails_the_zero_token():
+    with pytest.raises(ModelMismatch) as e:
+        extract_ffn(ModelOracle(random_ffn(8, 4, 0, bias=True)))
+    assert e.value.check == "zero token"
+
+
+def test_zero_network_is_not_identifiable():
+    with pytest.raises(NotIdentifiable):
+        extract_ffn(ModelOracle(ReLUFFN(A=np.ones((4, 2)), w=np.zeros(2))))
+
+
+def test_budgets_and_settings():
+    truth = random_ffn(8, 8, 0)
+    with pytest.raises(BudgetExceeded):
+        extract_ffn(ModelOracle(truth), max_queries=100, check=False)
+    with pytest.raises(BudgetExceeded):
+        extract_ffn(ModelOracle(truth, budget=50))
+    with pytest.raises(ValueError):
+        extract_ffn(ModelOracle(truth), max_paths=1)
+
+
+def test_kink_search_separates_close_kinks_and_sees_small_ones():
+    # kinks at 0.3 and 0.3 + 1e-6 (opposite slope changes) and a 1e-6-sized one at 0.8
+    def g(t):
+        t = np.asarray(t)
+        return (np.maximum(t - 0.3, 0) - 2 * np.maximum(t - 0.3 - 1e-6, 0) + 1e-6 * np.maximum(t - 0.8, 0)
+                + 0.5 * t)
+
+    kinks, spent, _ = find_kinks(g, tau=1e-14, max_evals=2000, rng=np.random.default_rng(0))
+    ts = [k.t for k in kinks]
+    assert len(ts) == 3 and abs(ts[0] - 0.3) < 1e-9 and abs(ts[1] - 0.3 - 1e-6) < 1e-9 and abs(ts[2] - 0.8) < 1e-6
+    assert spent < 200
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_cli_ffn_target_and_method(capsys):
+    code = main(["extract", "--target", "ffn:d=12,m=8,seed=1", "--method", "ffn", "--json", "--quiet"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert row["neurons"] == 8 and row["neurons_needed"] == 8 and row["flips_resolved"]
+    assert row["neuron_rel_err"] <= 1e-9 and row["fidelity_max_rel_err"] <= 1e-10
+    assert row["model_check"]["verdict"] == "pass" and row["queries"] > 0
+
+
+def test_cli_out_of_class_exits_5(capsys):
+    code = main(["extract", "--target", "random:d=8,seed=1", "--method", "ffn", "--quiet"])
+    assert code == 5 and "no kink" in capsys.readouterr().err
