@@ -247,7 +247,8 @@ def cli_extract(p: dict, rng: np.random.Generator) -> dict:
     lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
     row = _json.loads(lines[-1]) if lines else {}
     keep = ("queries", "attention_queries", "ffn_queries", "W_rel_err", "v_rel_err", "fidelity_max_rel_err",
-            "kink_fidelity", "neurons", "ffn_neurons", "flips_resolved", "heads")
+            "fidelity_kinks_max_rel_err", "neurons", "neurons_needed", "neurons_true", "ffn_neurons",
+            "flips_resolved", "neuron_rel_err", "function_rel_err", "heads")
     msg = err.getvalue().strip().splitlines()
     return {"exit": code, "message": msg[-1][:300] if msg else "",
             **{k: row.get(k) for k in keep if k in row},
