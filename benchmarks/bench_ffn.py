@@ -2,7 +2,10 @@
 and without biases, beside Carlini et al. 2020's figure (2^18.5 queries to 2^-40 error for a ReLU network
 of about 4k parameters).
 
-    .venv/bin/python benchmarks/bench_ffn.py [--quick] [--seeds 1 2 3]
+    .venv/bin/python benchmarks/bench_ffn.py [--quick] [--seeds 1 2 3] [--float32]
+
+``--float32``: the targets compute in float32 (``ffn:...,dtype=float32``); the errors are measured against
+the same weights computed in float64, cases (16, 32) and (32, 64).
 
 Columns: ``params`` the network's parameter count; ``queries`` the learner's (model check not included);
 ``neuron_err`` the worst ``|| w^ a^ - w a || / || w a ||`` over neurons (up to permutation, rescaling and
@@ -25,11 +28,13 @@ from headthief.oracles.base import ModelOracle
 
 CASES = [(16, 8), (32, 16), (32, 64), (32, 128), (64, 64), (64, 128)]
 QUICK = [(16, 8), (32, 16), (32, 64)]
+FLOAT32 = [(16, 32), (32, 64)]
 
 
-def run(d: int, m: int, *, bias: bool, sparse: float = 0.0, seed: int = 1) -> dict:
+def run(d: int, m: int, *, bias: bool, sparse: float = 0.0, seed: int = 1, float32: bool = False) -> dict:
+    oracle = ModelOracle(random_ffn(d, m, seed, bias=bias, sparse=sparse,
+                                    dtype=np.float32 if float32 else np.float64))
     truth = random_ffn(d, m, seed, bias=bias, sparse=sparse)
-    oracle = ModelOracle(truth)
     t0 = time.perf_counter()
     res = extract_ffn(oracle, bias=bias, rng=0)
     seconds = time.perf_counter() - t0
@@ -52,8 +57,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the three small cases only")
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--float32", action="store_true", help="float32 targets: (16, 32) and (32, 64)")
     a = p.parse_args(argv)
-    cases = QUICK if a.quick else CASES
+    cases = FLOAT32 if a.float32 else QUICK if a.quick else CASES
     head = (f"{'d':>4} {'m':>4} {'bias':>5} {'sparse':>6} {'params':>7} {'queries':>8} {'log2 q':>6} {'sec':>6} "
             f"{'found':>5} {'needed':>6} {'flips':>15} {'neuron_err':>10} {'fid_rand':>9} {'fid_kink':>9} {'log2 err':>8}")
     print(head)
@@ -61,8 +67,8 @@ def main(argv=None) -> None:
     for seed in a.seeds:
         for bias in (False, True):
             for d, m in cases:
-                for sparse in ((0.0, 0.25) if (d, m) == (32, 64) else (0.0,)):
-                    r = run(d, m, bias=bias, sparse=sparse, seed=seed)
+                for sparse in ((0.0, 0.25) if (d, m) == (32, 64) and not a.float32 else (0.0,)):
+                    r = run(d, m, bias=bias, sparse=sparse, seed=seed, float32=a.float32)
                     print(f"{r['d']:>4} {r['m']:>4} {str(r['bias']):>5} {r['sparse']:>6.2f} {r['params']:>7} "
                           f"{r['queries']:>8,} {math.log2(r['queries']):>6.1f} {r['seconds']:>6.2f} {r['neurons']:>5} "
                           f"{r['needed']:>6} {r['flips']:>15} {r['neuron_err']:>10.1e} {r['fid_rand']:>9.1e} "

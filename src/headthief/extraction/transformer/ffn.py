@@ -32,6 +32,11 @@ neural network models", here in homogeneous coordinates):
    vector when it is unique, which holds with high probability for ``m`` up to about ``2d``) otherwise.
    When neither gives a 0/1 vector, the ``m + 2`` form is kept (it is functionally exact).
 
+**float32 answers** (detected from the raw answers): tolerances scale with that precision, each
+hyperplane is fit by least squares to ``D + 5`` kink points located on short lines across it
+(:func:`_refine_lines`; finite-difference jumps are only good to ~1e-4 there), and the output weights,
+linear term and output bias by least squares over the values read (:func:`_fit_output`); docs/ffn.md.
+
 Query count: about ``D`` per region on the path (``m + 2`` regions), ``2 D + 4`` per neuron for the
 refinement, and about ``7`` per kink per path searched (two paths): ``~ 3 D m + 14 m``; d = 32, m = 64 measured
 at 7,939 queries (docs/ffn.md).
@@ -466,10 +471,7 @@ def _refine(ctx: _Ctx, neurons: list[_Neuron], k: int, *, candidates: int = 256,
     return spent
 
 
-_DBG = {}
-
-
-def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, candidates: int = 512) -> int:
+def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, candidates: int = 512) -> int:
     """Pass 2 for coarse (float32) answers: neuron k's hyperplane from ``D - 1 + extra`` kink points.
 
     A gradient jump read by finite differences inside the isolation ball (radius ~ the margin) carries
@@ -509,12 +511,14 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, 
     wp, wm = np.minimum(wp, 1.0), np.minimum(wm, 1.0)
     w = np.minimum(wp, wm)
     need = D - 1 + extra
-    order = np.argsort(-w)[:need]
+    order = np.argsort(-w)[:2 * need]        # lines that fail their checks are replaced, up to need more
     order = order[w[order] > 1e-3]
     spent = 0
     pts, kept, errs = [], [], []
     fr = (0.85, 0.4)
     for i in order:
+        if len(pts) >= need:
+            break
         p = C[i]
         ts = np.array([-fr[0] * wm[i], -fr[1] * wm[i], 0.0, fr[1] * wp[i], fr[0] * wp[i]])
         Z = p[None, :] + ts[:, None] * n[None, :]
@@ -525,19 +529,16 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, 
         jump = sr - sl
         noise = 16.0 * ctx.eps * max(float(np.max(np.abs(v))), ctx.scale)
         if jump == 0 or abs(jump - nu.gamma) > 0.2 * abs(nu.gamma):
-            _DBG["jump"] = _DBG.get("jump", 0) + 1
             ctx.checks_failed += 1
             continue
         # the lines meet at t*: v1 + sl (t - t1) = v3 + sr (t - t3)
         tk = (v[3] - v[1] - sr * ts[3] + sl * ts[1]) / (sl - sr)
         if not (ts[1] < tk < ts[3]):
-            _DBG["tk"] = _DBG.get("tk", 0) + 1
             ctx.checks_failed += 1
             continue
         pred = v[1] + sl * (0.0 - ts[1]) if tk > 0 else v[3] + sr * (0.0 - ts[3])
         amp = 2.0 + 2.0 * max(abs(ts[1]) / (ts[1] - ts[0]), abs(ts[3]) / (ts[4] - ts[3]))
         if abs(v[2] - pred) > 4.0 * amp * noise:
-            _DBG["mid"] = _DBG.get("mid", 0) + 1
             ctx.checks_failed += 1
             continue
         pts.append(p + tk * n)
@@ -545,8 +546,8 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, 
         # how far the lines' noise can move t* (measured: true kink points lie within 0.05 of
         # 4 amp noise / |jump| of the true hyperplane, 99 % within 0.03, float32, d = 16, m = 32)
         errs.append(0.25 * amp * noise / abs(jump))
-    _DBG.setdefault("w", []).append(len(order))
-    if len(pts) < D:                           # the null vector needs D - 1 points, plus one to check it
+    keep_min = D + extra // 2                  # the null vector needs D - 1 points; the rest check it
+    if len(pts) < keep_min:
         return spent
     P = np.array(pts)
     E = np.array(errs)
@@ -562,10 +563,9 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 4, 
         if r[worst] <= 3.0:
             fit = True
             break
-        if len(idx) <= D:
+        if len(idx) <= keep_min:
             break
         idx = np.delete(idx, worst)          # a point of another kink (a neuron not yet recovered)
-    _DBG["PE"] = (P, E)
     if not fit:
         return spent
     if float(np.linalg.norm(nn - n)) > 0.05:
@@ -744,6 +744,7 @@ def extract_ffn(
     rng: np.random.Generator | int = 0,
     max_queries: int | None = None,
     max_paths: int | None = None,
+    polish: bool = True,
     progress: Progress = None,
 ) -> FFNExtraction:
     """Recover a two-layer ReLU network from one-token value queries (Section 4.1's A_FFN).
@@ -857,12 +858,12 @@ def extract_ffn(
             changed = changed or not ctx.f32 or len(fresh) > len(bad)
         if ctx.f32:
             # fit every hyperplane not yet fit to kink points, now that more of its neighbours are known;
-            # one that fails twice (or disagrees with its jump) is a phantom (two merged kinks)
+            # one that fails three times (or disagrees with its jump) is a phantom (two merged kinks)
             for k, nu in enumerate(neurons):
                 if not nu.lines and not nu.suspect:
                     pass2 += _refine_lines(ctx, neurons, k)
                     nu.tries += 1
-            gone = [nu for nu in neurons if not nu.lines and (nu.suspect or nu.tries >= 2)]
+            gone = [nu for nu in neurons if not nu.lines and (nu.suspect or nu.tries >= 3)]
             if gone:
                 neurons = [nu for nu in neurons if not any(nu is g for g in gone)]
                 dropped += len(gone)
@@ -880,6 +881,15 @@ def extract_ffn(
     for k, nu in enumerate(neurons):
         if not nu.refined or (ctx.f32 and not nu.lines and not nu.suspect):
             pass2 += refine(k)
+    if ctx.f32 and polish:
+        # every hyperplane again, now that all its neighbours are known (first fits were made with some
+        # neighbours missing, so their lines were placed where unknown kinks could be)
+        for k, nu in enumerate(neurons):
+            old = (nu.n, nu.lines, nu.suspect)
+            nu.lines = 0
+            pass2 += _refine_lines(ctx, neurons, k)
+            if not nu.lines or nu.suspect:
+                nu.n, nu.lines, nu.suspect = old
     unrefined = sum(1 for nu in neurons if not nu.refined)
     unfit = sum(1 for nu in neurons if ctx.f32 and not nu.lines)
 
