@@ -392,6 +392,10 @@ def _conj_judge(recs):
         verdict = "holds with a caveat"
         caveat = (f"only for full-rank heads; low-rank heads succeed {lrate:.0%} (their probe Hessians do not span "
                   "the head subspaces, so the finest block diagonalisation splits them)")
+        missed = [v for k, vs in groups.items() if k[3] is None for v in vs if not v["ok"]]
+        if missed:
+            caveat += (f"; {len(missed)} of {len(full)} full-rank runs missed the bar "
+                       f"({'; '.join(sorted({v['why'] for v in missed}))})")
     else:
         verdict, caveat = "fails", ""
     return Finding(measured, verdict, caveat, rows, None)
