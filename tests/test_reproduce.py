@@ -103,7 +103,7 @@ def test_audit_defence_table(tmp_path):
     out = tmp_path / "a"
     r = subprocess.run(EXE + ["audit", "--target", "random:d=8,seed=1", "--scheduler", "serial", "--out", str(out),
                               "--json", "--defences", "none", "--defences", "sign-only", "--defences", "budget 32",
-                              "--defences", "noise adversarial 1e-4"],
+                              "--defences", "noise adversarial 1e-4", "--defences", "prada"],
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
@@ -111,13 +111,17 @@ def test_audit_defence_table(tmp_path):
     assert set(cell) == {("none", "exact"), ("none", "lowrank"), ("none", "noisy"), ("sign-only", "membership"),
                          ("budget 32", "exact"), ("budget 32", "lowrank"), ("budget 32", "noisy"),
                          ("noise adversarial 1e-4", "exact"), ("noise adversarial 1e-4", "lowrank"),
-                         ("noise adversarial 1e-4", "noisy")}
+                         ("noise adversarial 1e-4", "noisy"), ("prada", "exact"), ("prada", "lowrank"),
+                         ("prada", "noisy"), ("prada", "membership")}
     assert cell[("none", "exact")]["outcome"] == "extracted" and cell[("none", "exact")]["W_rel_err"] <= 1e-9
     assert cell[("none", "exact")]["queries"] == 72
     assert cell[("sign-only", "membership")]["outcome"] == "extracted"
     assert cell[("budget 32", "exact")]["outcome"] == "budget spent" and cell[("budget 32", "exact")]["queries"] <= 32
     noisy = cell[("noise adversarial 1e-4", "noisy")]
     assert noisy["outcome"] == "extracted" and 1e-9 < noisy["W_rel_err"] < 1e-1
+    # the server's PRADA-style detector flags the probe designs of Theorem 4.1 (structured, not natural)
+    assert cell[("prada", "exact")]["outcome"].startswith("flagged at query")
+    assert cell[("prada", "exact")]["W_rel_err"] <= 1e-9
     assert (out / "audit.md").exists() and (out / "audit.json").exists()
 
 

@@ -29,7 +29,8 @@ class Defence:
 
 def defences(d: int) -> list[Defence]:
     """The audit's defences: none; noise tau in {1e-6, 1e-4, 1e-2} in adversarial and uniform mode;
-    rounding to 4 decimals; sign-only answers; an input-norm bound of 1; a budget of d^2 / 2 queries."""
+    rounding to 4 decimals; sign-only answers; an input-norm bound of 1; a budget of d^2 / 2 queries.
+    (The PRADA-style detector, ``prada``, is added by :func:`audit_tasks`.)"""
     out = [Defence("none", ())]
     for mode in ("adversarial", "uniform"):
         for tau in ("1e-6", "1e-4", "1e-2"):
@@ -71,13 +72,63 @@ def audit_cell(p: dict, rng: np.random.Generator) -> dict:
             "check": mc.get("verdict"), "message": msg[-1][:300] if msg else ""}
 
 
+def audit_prada_cell(p: dict, rng: np.random.Generator) -> dict:
+    """One method under the PRADA-style detector of ``headthief serve`` (Juuti et al. 2019: minimum
+    distances of each new query to the client's earlier ones, tested for normality with Shapiro-Wilk),
+    in flag mode: the run goes on and the query count at which it was first flagged is kept. The detector
+    is the server's own class, here watching the oracle in this process."""
+    import argparse
+
+    from ..cli.extract import add_arguments
+    from ..errors import HeadthiefError
+    from ..extraction.result import rel_err
+    from ..methods import METHODS, build_oracle
+    from ..oracles.base import WrappedOracle
+    from ..server.defences import Prada
+    from ..targets import resolve
+
+    class Watched(WrappedOracle):
+        def __init__(self, inner, detector):
+            super().__init__(inner)
+            self.detector = detector
+
+        def _transform(self, X, y):
+            self.detector.observe(X)
+            return y
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", p["target"], "--method", p["method"], "--seed",
+                              str(int(rng.integers(2 ** 31 - 1))), *p.get("flags", [])])
+    target = resolve(p["target"])
+    detector = Prada()
+    oracle = Watched(target.make_oracle(input_norm=None), detector)
+    if p["method"] in SIGN_METHODS or args.input_norm is not None:
+        oracle = Watched(build_oracle(target, args), detector)
+    out = {"flagged_at": None, "queries": None, "W_rel_err": None, "outcome": "extracted", "exit": 0}
+    try:
+        res = METHODS[p["method"]].run(oracle, target, args, None)
+        out["queries"] = res.queries
+        if res.check is not None:
+            out["check"], out["fidelity"] = res.check.verdict, res.check.figure
+        if getattr(res, "W", None) is not None and target.truth is not None:
+            out["W_rel_err"] = rel_err(res.W, target.truth.dense_W() if hasattr(target.truth, "dense_W") else target.truth.W)
+    except HeadthiefError as exc:
+        out["outcome"] = f"{type(exc).__name__}"
+        out["exit"] = 1
+    out["flagged_at"] = detector.flagged_at
+    out["seen"] = detector.seen
+    out["last_W"] = detector.last_W
+    return out
+
+
 def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str] | None = None) -> list[Task]:
     from ..targets import resolve
     target = resolve(spec)
     d = target.d
     ds = defences(d)
     if names:
-        known = {x.name for x in ds}
+        known = {x.name for x in ds} | {"prada"}
         bad = [n for n in names if n not in known]
         if bad:
             raise SpecError(f"unknown defence(s) {bad}; known: {sorted(known)}")
@@ -88,6 +139,10 @@ def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str]
     if bad:
         raise SpecError(f"unknown method(s) {bad}")
     tasks = []
+    if not names or "prada" in names:
+        for m in meths:
+            tasks.append(Task("audit", f"{spec}|{m}|prada", "headthief.reproduce.audit:audit_prada_cell",
+                              {"target": spec, "method": m, "defence": "prada", "flags": []}))
     for dfc in ds:
         for m in meths:
             if (m in SIGN_METHODS) != dfc.sign_only:
@@ -101,9 +156,14 @@ def audit_table(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         v = r.get("value") or {}
-        rows.append({"defence": r["params"]["defence"], "method": r["params"]["method"],
-                     "outcome": v.get("outcome", r.get("error")), "queries": v.get("queries"),
-                     "W_rel_err": v.get("W_rel_err"), "fidelity": v.get("fidelity"), "check": v.get("check")})
+        row = {"defence": r["params"]["defence"], "method": r["params"]["method"],
+               "outcome": v.get("outcome", r.get("error")), "queries": v.get("queries"),
+               "W_rel_err": v.get("W_rel_err"), "fidelity": v.get("fidelity"), "check": v.get("check")}
+        if r["params"]["defence"] == "prada":
+            fa = v.get("flagged_at")
+            row["outcome"] = (f"flagged at query {fa:,}" if fa else "not flagged") + (
+                "" if v.get("outcome") == "extracted" else f" ({v.get('outcome')})")
+        rows.append(row)
     return rows
 
 
