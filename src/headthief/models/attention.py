@@ -113,12 +113,8 @@ class AttentionHead:
 
     def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
         dt = self.dtype
-        X = np.asarray(X, dtype=dt)
+        X = group_array(X, self.d, dt)
         n, N, d = X.shape
-        if d != self.d:
-            raise InvalidQuery(f"tokens must have dimension {self.d}, got {d}")
-        if N < 1:
-            raise InvalidQuery("every sequence needs at least one token")
         q = X[:, -1, :]
         if self.W is not None:
             Wq = q @ self.W.T                                   # (n, d): W x_N for each sequence
@@ -138,6 +134,17 @@ class AttentionHead:
         if self.beta is not None:
             out = out + dt(self.beta)
         return out.astype(np.float64)
+
+
+def group_array(X, d: int, dtype) -> np.ndarray:
+    """One group of equal-length sequences as an (n, N, d) array of ``dtype``, checked."""
+    X = np.asarray(X, dtype=dtype)
+    n, N, dd = X.shape
+    if dd != d:
+        raise InvalidQuery(f"tokens must have dimension {d}, got {dd}")
+    if N < 1:
+        raise InvalidQuery("every sequence needs at least one token")
+    return X
 
 
 def evaluate_by_length(evaluate_group, batch: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:

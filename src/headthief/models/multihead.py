@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidQuery
-from .attention import AttentionHead, evaluate_by_length
+from .attention import AttentionHead, evaluate_by_length, group_array
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,12 +112,8 @@ class MultiHeadAttention:
 
     def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
         dt = self.dtype
-        X = np.asarray(X, dtype=dt)
+        X = group_array(X, self.d, dt)
         n, N, d = X.shape
-        if d != self.d:
-            raise InvalidQuery(f"tokens must have dimension {self.d}, got {d}")
-        if N < 1:
-            raise InvalidQuery("every sequence needs at least one token")
         flat = X.reshape(n * N, d)
         q = X[:, -1, :]                                            # (n, d)
         if self.W is not None:

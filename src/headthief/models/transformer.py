@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidQuery
-from .attention import AttentionHead, evaluate_by_length
+from .attention import AttentionHead, evaluate_by_length, group_array
 from .multihead import MultiHeadAttention
 
 
@@ -168,12 +168,8 @@ class Transformer:
 
     def _evaluate_group(self, X: np.ndarray) -> np.ndarray:
         dt = self.dtype
-        X = np.asarray(X, dtype=dt)
+        X = group_array(X, self.d, dt)
         n, N, d = X.shape
-        if d != self.d:
-            raise InvalidQuery(f"tokens must have dimension {self.d}, got {d}")
-        if N < 1:
-            raise InvalidQuery("every sequence needs at least one token")
         q = X[:, -1, :]
         Wq = np.einsum("hij,nj->nhi", self.W, q)                  # (n, H, d): W_h x_N
         scores = np.einsum("nkd,nhd->nhk", X, Wq)                 # (n, H, N)

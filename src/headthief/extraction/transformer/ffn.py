@@ -580,6 +580,28 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, 
     return spent
 
 
+def _jump_at(ctx: _Ctx, A: np.ndarray, U: np.ndarray, k, nu_: float, div: float):
+    """The neuron behind a kink ``k`` of the line ``A + t U`` that no known neuron explains: the gradient
+    jump between the two stretches the search certified (finite-difference steps of a ``1/div`` share of
+    each). Returns ``(neuron or None, kink point, queries spent)``."""
+    z = A + k.t * U
+    yl = A + 0.5 * (k.left[0] + k.left[1]) * U
+    yr = A + 0.5 * (k.right[0] + k.right[1]) * U
+    hl = 0.5 * (k.left[1] - k.left[0]) * nu_
+    hr = 0.5 * (k.right[1] - k.right[0]) * nu_
+    if hl <= 0 or hr <= 0:
+        return None, z, 0
+    gl, okl, q1 = _gradient(ctx, yl, hl / div)
+    gr, okr, q2 = _gradient(ctx, yr, hr / div)
+    if not (okl and okr):
+        ctx.checks_failed += 1
+        return None, z, q1 + q2
+    c = gr - gl
+    if float(np.linalg.norm(c)) == 0:
+        return None, z, q1 + q2
+    return _from_jump(c, U), z, q1 + q2
+
+
 def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Neuron, np.ndarray]], list[int], int]:
     """Match a fresh path's kinks to the neurons. Returns (new neurons from unexplained kinks, indices of
     neurons whose predicted kink is missing, queries spent measuring the new ones)."""
@@ -619,23 +641,10 @@ def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Ne
                         seen_by[i] = seen_by.get(i, 0) + 1
                         matched_any[i] = True
                     continue
-                z = A + k.t * U
-                yl = A + 0.5 * (k.left[0] + k.left[1]) * U
-                yr = A + 0.5 * (k.right[0] + k.right[1]) * U
-                hl = 0.5 * (k.left[1] - k.left[0]) * nu_
-                hr = 0.5 * (k.right[1] - k.right[0]) * nu_
-                if hl <= 0 or hr <= 0:
-                    continue
-                gl, okl, q1 = _gradient(ctx, yl, hl / 4)
-                gr, okr, q2 = _gradient(ctx, yr, hr / 4)
-                spent += q1 + q2
-                if not (okl and okr):
-                    ctx.checks_failed += 1
-                    continue
-                c = gr - gl
-                if float(np.linalg.norm(c)) == 0:
-                    continue
-                new.append((_from_jump(c, U), z))
+                found, z, q = _jump_at(ctx, A, U, k, nu_, 4)
+                spent += q
+                if found is not None:
+                    new.append((found, z))
             for i in inside:
                 # a predicted kink too small to be seen in these answers is not missing, nor is that of a
                 # neuron whose hyperplane was fit to kink points (two kinks closer than the search
@@ -650,23 +659,10 @@ def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Ne
                 seen_by[i] = seen_by.get(i, 0) + 1
                 continue
             # an unexplained kink: measure its jump between the two stretches the search certified
-            z = A + k.t * U
-            yl = A + 0.5 * (k.left[0] + k.left[1]) * U
-            yr = A + 0.5 * (k.right[0] + k.right[1]) * U
-            hl = 0.5 * (k.left[1] - k.left[0]) * nu_
-            hr = 0.5 * (k.right[1] - k.right[0]) * nu_
-            if hl <= 0 or hr <= 0:
-                continue
-            gl, okl, q1 = _gradient(ctx, yl, hl / 8)
-            gr, okr, q2 = _gradient(ctx, yr, hr / 8)
-            spent += q1 + q2
-            if not (okl and okr):
-                ctx.checks_failed += 1
-                continue
-            c = gr - gl
-            if float(np.linalg.norm(c)) == 0:
-                continue
-            new.append((_from_jump(c, U), z))
+            found, z, q = _jump_at(ctx, A, U, k, nu_, 8)
+            spent += q
+            if found is not None:
+                new.append((found, z))
     missing = [i for i, cnt in predicted.items() if seen_by.get(i, 0) < cnt]
     return new, missing, spent
 
