@@ -9,6 +9,7 @@
 
     .venv/bin/python benchmarks/bench_http.py [--dims 64,384] [--load-clients 32] [--load-seconds 60]
                                               [--skip-json-above 384] [--only timing,load,prada,defences]
+                                              [--sync full,normal]
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def used(db) -> dict:
     return {r["name"]: r for r in rows}
 
 
-def timing(dims, skip_json_above, work: Path) -> list[dict]:
+def timing(dims, skip_json_above, work: Path, syncs=("full",)) -> list[dict]:
     from headthief.extraction.single.exact import extract_exact
     from headthief.oracles.http import HTTPOracle
     from headthief.targets import resolve
@@ -71,12 +72,12 @@ def timing(dims, skip_json_above, work: Path) -> list[dict]:
         t0 = time.perf_counter()
         local = extract_exact(resolve(spec).make_oracle(), verify=0, rng=np.random.default_rng(0))
         t_local = time.perf_counter() - t0
-        db = work / f"timing{d}.sqlite"
-        with Serve(spec, db) as s:
-            for framing in ("npy", "json"):
-                if framing == "json" and d > skip_json_above:
-                    rows.append({"d": d, "framing": framing, "skipped": f"d > {skip_json_above}"})
-                    continue
+        for sync, framing in [(sy, f) for sy in syncs for f in ("npy", "json")]:
+            if framing == "json" and d > skip_json_above:
+                rows.append({"d": d, "framing": framing, "sync": sync, "skipped": f"d > {skip_json_above}"})
+                continue
+            db = work / f"timing{d}-{sync}.sqlite"
+            with Serve(spec, db, "--sync", sync) as s:
                 k = key(db, f"{framing}")
                 with HTTPOracle(s.url, api_key=k, framing=framing) as o:
                     t0 = time.perf_counter()
@@ -84,7 +85,7 @@ def timing(dims, skip_json_above, work: Path) -> list[dict]:
                     t_http = time.perf_counter() - t0
                     reqs = o.requests
                 ident = np.array_equal(res.W, local.W) and np.array_equal(res.v, local.v)
-                rows.append({"d": d, "framing": framing, "queries": res.queries, "in_process_s": round(t_local, 3),
+                rows.append({"d": d, "framing": framing, "sync": sync, "queries": res.queries, "in_process_s": round(t_local, 3),
                              "http_s": round(t_http, 3), "ratio": round(t_http / t_local, 2), "requests": reqs,
                              "requests_per_s": round(reqs / t_http, 1), "bit_identical": bool(ident),
                              "charged": used(db)[framing]["used"]})
@@ -183,13 +184,15 @@ def main(argv=None) -> int:
     p.add_argument("--load-seconds", type=float, default=60.0)
     p.add_argument("--detector-d", type=int, default=16)
     p.add_argument("--only", default="timing,load,prada,defences")
+    p.add_argument("--sync", default="full", help="ledger durability modes to time: full, normal or full,normal")
     a = p.parse_args(argv)
     parts = set(a.only.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if "timing" in parts:
             print("== exact: in-process vs HTTP (loopback) ==")
-            print(table(timing([int(x) for x in a.dims.split(",")], a.skip_json_above, work)), flush=True)
+            print(table(timing([int(x) for x in a.dims.split(",")], a.skip_json_above, work, a.sync.split(","))),
+                  flush=True)
         if "load" in parts:
             print(f"\n== load: {a.load_clients} clients x {a.load_seconds:g} s, one key, random:d=16 ==")
             print(table([load(a.load_clients, a.load_seconds, work)]), flush=True)

@@ -2,7 +2,8 @@
 
     headthief serve --target random:d=64,seed=1 --db server.sqlite [--host 127.0.0.1 --port 8000]
                     [--noise TAU --noise-mode MODE] [--sign-only] [--input-norm R] [--max-batch N]
-                    [--max-len N] [--prada flag|refuse] [--defence "k=v,..."]
+                    [--max-len N] [--prada flag|refuse] [--defence "k=v,..."] [--sync full|normal]
+                    [--blas-threads N]
 
 Prints ``headthief: serving TARGET on http://HOST:PORT`` on stderr once the socket is listening
 (``--port 0`` picks a free port). Keys are made with ``headthief keys add``. One process per database.
@@ -32,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prada-delta", type=float, default=0.9, metavar="W", help="flag when Shapiro-Wilk W < this (0.9)")
     g.add_argument("--prada-min", type=int, default=100, metavar="N", help="distances before the first test (100)")
     g.add_argument("--defence", default=None, metavar="SPEC", help='the same settings as "k=v,..." (overrides)')
+    p.add_argument("--sync", choices=["full", "normal"], default="full",
+                   help="ledger durability: full (default) fsyncs every charge before answering; normal (opt-in, "
+                        "faster) survives a server crash but may lose the last charges to a power loss or OS crash")
+    p.add_argument("--blas-threads", type=int, default=1, metavar="N",
+                   help="BLAS threads per request (default 1: requests run in parallel on their own threads, and "
+                        "an idle BLAS team would spin on cores the clients need; 0 leaves the library's default)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request on stderr (uvicorn's access log)")
 
@@ -57,11 +64,19 @@ def run(args) -> int:
         return 2
     try:
         defence = defence_from_args(args)
-        service = Service(args.target, args.db, defence=defence, max_body_bytes=args.max_body_bytes)
+        service = Service(args.target, args.db, defence=defence, max_body_bytes=args.max_body_bytes,
+                          sync=args.sync)
     except HeadthiefError as e:
         print(f"headthief: {e}", file=sys.stderr)
         return 2
     app = create_app(service)
+    if args.blas_threads > 0:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:         # threadpoolctl is in the sweep extra; without it the default stays
+            pass
+        else:
+            threadpool_limits(args.blas_threads)
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only for sockets that say so;
     # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
@@ -77,7 +92,9 @@ def run(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print("headthief: warning: listening beyond loopback without TLS; put a TLS proxy in front", file=sys.stderr)
     print(f"headthief: serving {args.target} on http://{host}:{port} (database {args.db}; defences "
-          f"{defence.settings() or 'none'})", file=sys.stderr, flush=True)
+          f"{defence.settings() or 'none'}"
+          f"{'; ledger sync=normal: not durable against power loss' if args.sync == 'normal' else ''})",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, timeout_keep_alive=30)
     try:
         uvicorn.Server(config).run(sockets=[sock])

@@ -90,9 +90,18 @@ class Accounts:
 
     Args:
         path: the database file (created when missing).
+        sync: ``"full"`` (default): every charge is fsync'ed before its answer is sent, so it survives a
+            power loss or an OS crash; ``"normal"`` (opt-in, ``headthief serve --sync normal``): SQLite's
+            ``synchronous=NORMAL`` in WAL mode: a charge survives a crash of the server process but the
+            last ones before a power loss or OS crash may be lost (the database stays consistent:
+            ``used == SUM(ledger.n)`` still holds; an answer sent but lost that way is charged again if
+            retried).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, sync: str = "full"):
+        if sync not in ("full", "normal"):
+            raise SpecError(f"sync={sync!r}: use full or normal")
+        self.sync = sync
         self.path = Path(path)
         self._lock = threading.RLock()
         self._reserved: dict[int, int] = {}         # key id -> queries in flight
@@ -105,7 +114,7 @@ class Accounts:
         try:
             self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=30, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=30000")
             self._db.executescript("""
                 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
