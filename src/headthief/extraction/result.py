@@ -27,6 +27,18 @@ class Fidelity:
     max_rel_err: float
 
 
+def freeze_fields(obj, names) -> None:
+    """In a frozen result's ``__post_init__``: ``diagnostics`` becomes a read-only mapping and each named
+    array (those not None) a read-only float64 copy."""
+    object.__setattr__(obj, "diagnostics", MappingProxyType(dict(obj.diagnostics)))
+    for name in names:
+        a = getattr(obj, name)
+        if a is not None:
+            a = np.array(a, dtype=np.float64)
+            a.setflags(write=False)
+            object.__setattr__(obj, name, a)
+
+
 @dataclass(frozen=True, eq=False)
 class Extraction:
     """What an extraction recovered and what it cost.
@@ -57,13 +69,7 @@ class Extraction:
     check: Any = None
 
     def __post_init__(self):
-        object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))
-        for name in ("W", "v", "c"):
-            a = getattr(self, name)
-            if a is not None:
-                a = np.array(a, dtype=np.float64)
-                a.setflags(write=False)
-                object.__setattr__(self, name, a)
+        freeze_fields(self, ("W", "v", "c"))
 
     @property
     def d(self) -> int:

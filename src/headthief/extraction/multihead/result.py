@@ -10,14 +10,13 @@ putting the truth in canonical form and matching each recovered head to a true o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
 
 from ...models.multihead import MultiHeadAttention
 from ...oracles.base import Oracle
-from ..result import Fidelity, fidelity, rel_err
+from ..result import Fidelity, fidelity, freeze_fields, rel_err
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,13 +48,7 @@ class MultiHeadExtraction:
     check: Any = None
 
     def __post_init__(self):
-        object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))
-        for name in ("W", "V", "C"):
-            a = getattr(self, name)
-            if a is not None:
-                a = np.array(a, dtype=np.float64)
-                a.setflags(write=False)
-                object.__setattr__(self, name, a)
+        freeze_fields(self, ("W", "V", "C"))
         if self.W.ndim != 3 or self.V.ndim != 2 or self.W.shape[:2] != self.V.shape:
             raise ValueError(f"W must be (H, d, d) and V (H, d); got {self.W.shape}, {self.V.shape}")
 

@@ -14,7 +14,6 @@ rarely active one, shows it most); :func:`verify_transformer` compares there and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,7 +23,7 @@ from ...models.attention import evaluate_by_length
 from ...models.multihead import MultiHeadAttention
 from ...models.transformer import Transformer
 from ...oracles.base import Oracle
-from ..result import Fidelity, fidelity, rel_err
+from ..result import Fidelity, fidelity, freeze_fields, rel_err
 
 
 def ffn_parts(ffn) -> dict:
@@ -89,13 +88,7 @@ class TransformerExtraction:
     check: Any = None
 
     def __post_init__(self):
-        object.__setattr__(self, "diagnostics", MappingProxyType(dict(self.diagnostics)))
-        for name in ("W", "v", "c"):
-            a = getattr(self, name)
-            if a is not None:
-                a = np.array(a, dtype=np.float64)
-                a.setflags(write=False)
-                object.__setattr__(self, name, a)
+        freeze_fields(self, ("W", "v", "c"))
 
     @property
     def d(self) -> int:
