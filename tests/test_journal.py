@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from headthief import ModelOracle, extract_exact, random_head
+from headthief import ModelOracle, random_head
 from headthief.cli import main
-from headthief.oracles.journal import Journal, JournalError, JournalMismatch
+from headthief.oracles.journal import Journal, JournalMismatch
 from headthief.testing import kill_resume
 
 

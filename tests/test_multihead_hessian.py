@@ -7,7 +7,7 @@ from headthief.errors import ModelMismatch, SpecError
 from headthief.extraction.multihead.hessian import (block_diagonalize, extract_multihead_hessian,
                                                     hessian_query_count, probe_hessian)
 from headthief.extraction.multihead.subspaces import subspaces_query_count
-from headthief.models.multihead import MultiHeadAttention, random_multihead
+from headthief.models.multihead import random_multihead
 from headthief.oracles.base import ModelOracle
 
 

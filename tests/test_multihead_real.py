@@ -8,6 +8,7 @@ are skipped (with the install command) where those are not installed.
 import numpy as np
 import pytest
 
+from _minilm import raw_layer
 from headthief.models import MultiHeadAttention, minilm
 
 D = 384
@@ -21,17 +22,6 @@ def gaussian_sequences(rng, n, max_len=12, d=D):
 
 def rms(y):
     return float(np.sqrt(np.mean(np.asarray(y) ** 2)))
-
-
-def raw_layer(layer):
-    """The layer's tensors, read independently of headthief (whole file, safetensors.numpy), float64."""
-    from safetensors.numpy import load_file
-    t = load_file(str(minilm.minilm_weights_path()))
-    pre = f"encoder.layer.{layer}.attention."
-    return {k: t[pre + n].astype(np.float64) for k, n in [
-        ("q", "self.query.weight"), ("bq", "self.query.bias"), ("k", "self.key.weight"), ("bk", "self.key.bias"),
-        ("v", "self.value.weight"), ("bv", "self.value.bias"), ("o", "output.dense.weight"),
-        ("bo", "output.dense.bias")]}
 
 
 def bert_layer_readout(P, r, X):

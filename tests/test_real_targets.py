@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from _minilm import raw_layer
 from headthief.cli import main
 from headthief.errors import SpecError
 from headthief.extraction.single.exact import exact_query_count, extract_exact
@@ -20,17 +21,6 @@ from headthief.targets import resolve
 from headthief.testing import check_recovery
 
 D = 384
-
-
-def raw_layer(layer):
-    """The layer's tensors, read independently of headthief (whole file, safetensors.numpy)."""
-    from safetensors.numpy import load_file
-    t = load_file(str(minilm.minilm_weights_path()))
-    pre = f"encoder.layer.{layer}.attention."
-    return {k: t[pre + n].astype(np.float64) for k, n in [
-        ("q", "self.query.weight"), ("bq", "self.query.bias"), ("k", "self.key.weight"), ("bk", "self.key.bias"),
-        ("v", "self.value.weight"), ("bv", "self.value.bias"), ("o", "output.dense.weight"),
-        ("bo", "output.dense.bias")]}
 
 
 def bert_head_readout(P, head, r, X):

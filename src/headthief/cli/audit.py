@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import HeadthiefError
+from .reproduce import add_sweep_arguments
 
 
 def add_arguments(p) -> None:
@@ -15,8 +16,7 @@ def add_arguments(p) -> None:
                    help="only these defences (repeat; names as in the table, e.g. 'none', 'round:4')")
     p.add_argument("--methods", action="append", metavar="M", help="only these methods (repeat)")
     p.add_argument("--out", default="audit-out", help="output directory (default audit-out/)")
-    p.add_argument("--scheduler", default="processes", help="serial | processes | tcp://HOST:PORT")
-    p.add_argument("--workers", type=int, default=None)
+    add_sweep_arguments(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON on stdout")
     p.add_argument("--quiet", action="store_true")
 

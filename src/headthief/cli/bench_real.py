@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import HeadthiefError
+from .reproduce import add_sweep_arguments
 
 COLUMNS = ["target", "method", "layer", "head", "rank", "queries", "W_rel_err", "c_rel_err", "v_rel_err",
            "beta_abs_err", "fidelity_max_rel_err", "seconds"]
@@ -59,9 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-blackbox", action="store_true", help="skip the minilm-hf / torch-mha rows")
     p.add_argument("--out", metavar="FILE", help="also write the table to FILE.csv or FILE.md")
     p.add_argument("--json", action="store_true", help="print one JSON object (rows, black boxes, summary)")
-    p.add_argument("--scheduler", default="processes",
-                   help="serial | processes (a dask LocalCluster here, the default) | tcp://HOST:PORT")
-    p.add_argument("--workers", type=int, default=None, help="LocalCluster workers (default min(2, cores))")
+    add_sweep_arguments(p)
     p.add_argument("--store", metavar="DIR", help="keep each finished head in DIR; a re-run reuses them")
 
 

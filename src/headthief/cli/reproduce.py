@@ -15,11 +15,16 @@ def add_arguments(p) -> None:
                    help="only these experiments (repeat or comma-separate); see --list")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     p.add_argument("--out", default="reproduce-out", help="output directory (default reproduce-out/)")
+    add_sweep_arguments(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_sweep_arguments(p) -> None:
+    """``--scheduler`` and ``--workers``: where a sweep's tasks run (reproduce, audit, bench real)."""
     p.add_argument("--scheduler", default="processes",
                    help="serial | processes (a dask LocalCluster here, the default) | tcp://HOST:PORT")
     p.add_argument("--workers", type=int, default=None, help="LocalCluster workers (default min(2, cores))")
-    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def progress_bar(quiet: bool, label: str):

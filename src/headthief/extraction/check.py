@@ -347,6 +347,20 @@ INCONCLUSIVE_THRESHOLD = 1.0
 """A fidelity threshold at least this large (relative to the output RMS) makes the verdict inconclusive."""
 
 
+def fidelity_verdict(figure: float, threshold: float) -> str:
+    """``"fail"`` above the threshold; ``"inconclusive"`` when the threshold is at least
+    :data:`INCONCLUSIVE_THRESHOLD` (the answers' imprecision explains errors as large as the outputs
+    themselves, so the test cannot tell a right model class from a wrong one); else ``"pass"``."""
+    if figure > threshold:
+        return "fail"
+    return "inconclusive" if threshold >= INCONCLUSIVE_THRESHOLD else "pass"
+
+
+def inconclusive_detail(what: str, threshold: float, kind) -> str:
+    return (f"{what}; threshold {threshold:.3g} from {kind.describe()} answers is at least "
+            f"{INCONCLUSIVE_THRESHOLD:g} of the output RMS, too loose to tell the model class")
+
+
 def fidelity_threshold(kind: AnswerKind, d: int, rms: float, *, resolution: float = 0.0) -> float:
     """The largest fidelity (max abs error / RMS of the answers) that the answers' precision explains.
 
@@ -429,12 +443,9 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
         figure = float(np.max(np.abs(y_hat - y)) / max(rms, 1e-300))
         threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution)
         what = f"fidelity {figure:.3g}"
-        if threshold >= INCONCLUSIVE_THRESHOLD and figure <= threshold:
-            # the answers' imprecision explains errors as large as the outputs themselves: a fidelity test
-            # this loose cannot tell a right model class from a wrong one
+        if fidelity_verdict(figure, threshold) == "inconclusive":
             return ModelCheck("inconclusive", model, kind.describe(), ids, cq, figure, threshold, vq,
-                              detail=f"{what}; threshold {threshold:.3g} from {kind.describe()} answers is at least "
-                                     f"{INCONCLUSIVE_THRESHOLD:g} of the output RMS, too loose to tell the model class")
+                              detail=inconclusive_detail(what, threshold, kind))
     ok = figure <= threshold
     mc = ModelCheck("pass" if ok else "fail", model, kind.describe(), ids, cq, figure, threshold, vq,
                     detail=f"{what}; threshold {threshold:.3g} from {kind.describe()} answers"

@@ -18,7 +18,8 @@ import numpy as np
 from ..errors import InvalidQuery
 
 
-def _as_float(a, dtype) -> np.ndarray:
+def as_float_array(a, dtype) -> np.ndarray:
+    """``a`` as a C-contiguous array of ``dtype`` (the models' parameter storage)."""
     return np.ascontiguousarray(np.asarray(a, dtype=dtype))
 
 
@@ -50,24 +51,24 @@ class AttentionHead:
         if dt not in (np.dtype(np.float64), np.dtype(np.float32)):
             raise ValueError(f"dtype must be float64 or float32, got {dt}")
         object.__setattr__(self, "dtype", dt.type)
-        v = _as_float(self.v, dt).reshape(-1)
+        v = as_float_array(self.v, dt).reshape(-1)
         object.__setattr__(self, "v", v)
         d = v.shape[0]
         if self.W is None and (self.left is None or self.right is None):
             raise ValueError("give W, or both factors left and right")
         if self.W is not None:
-            W = _as_float(self.W, dt)
+            W = as_float_array(self.W, dt)
             if W.shape != (d, d):
                 raise ValueError(f"W must be ({d}, {d}) to match v, got {W.shape}")
             object.__setattr__(self, "W", W)
         else:
-            L, R = _as_float(self.left, dt), _as_float(self.right, dt)
+            L, R = as_float_array(self.left, dt), as_float_array(self.right, dt)
             if L.ndim != 2 or L.shape[0] != d or L.shape != R.shape:
                 raise ValueError(f"left and right must both be ({d}, r), got {L.shape}, {R.shape}")
             object.__setattr__(self, "left", L)
             object.__setattr__(self, "right", R)
         if self.c is not None:
-            c = _as_float(self.c, dt).reshape(-1)
+            c = as_float_array(self.c, dt).reshape(-1)
             if c.shape != (d,):
                 raise ValueError(f"c must have shape ({d},), got {c.shape}")
             object.__setattr__(self, "c", c)

@@ -15,8 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InvalidQuery
-from .attention import AttentionHead, evaluate_by_length, group_array
+from .attention import AttentionHead, as_float_array, evaluate_by_length, group_array
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +45,7 @@ class MultiHeadAttention:
         if dt not in (np.dtype(np.float64), np.dtype(np.float32)):
             raise ValueError(f"dtype must be float64 or float32, got {dt}")
         object.__setattr__(self, "dtype", dt.type)
-        V = np.ascontiguousarray(np.asarray(self.V, dtype=dt))
+        V = as_float_array(self.V, dt)
         if V.ndim != 2 or V.shape[0] < 1:
             raise ValueError(f"V must be (H, d) with H >= 1, got shape {V.shape}")
         object.__setattr__(self, "V", V)
@@ -54,19 +53,19 @@ class MultiHeadAttention:
         if self.W is None and (self.left is None or self.right is None):
             raise ValueError("give W, or both factors left and right")
         if self.W is not None:
-            W = np.ascontiguousarray(np.asarray(self.W, dtype=dt))
+            W = as_float_array(self.W, dt)
             if W.shape != (H, d, d):
                 raise ValueError(f"W must be ({H}, {d}, {d}) to match V, got {W.shape}")
             object.__setattr__(self, "W", W)
         else:
-            L = np.ascontiguousarray(np.asarray(self.left, dtype=dt))
-            R = np.ascontiguousarray(np.asarray(self.right, dtype=dt))
+            L = as_float_array(self.left, dt)
+            R = as_float_array(self.right, dt)
             if L.ndim != 3 or L.shape[:2] != (H, d) or L.shape != R.shape:
                 raise ValueError(f"left and right must both be ({H}, {d}, r), got {L.shape}, {R.shape}")
             object.__setattr__(self, "left", L)
             object.__setattr__(self, "right", R)
         if self.C is not None:
-            C = np.ascontiguousarray(np.asarray(self.C, dtype=dt))
+            C = as_float_array(self.C, dt)
             if C.shape != (H, d):
                 raise ValueError(f"C must be ({H}, {d}), got {C.shape}")
             object.__setattr__(self, "C", C)

@@ -214,7 +214,7 @@ def torch_mha(d: int, seed: int, heads: int = 1):
 
 def torch_mha_forward(mha, *, readout: int = 0) -> Callable[[Any], Any]:
     """The scalar regressor: last token as the query, out_proj, readout along r."""
-    torch = import_torch()
+    import_torch()                                  # a clear error when torch is missing
     r = _readout_tensor(readout, mha.embed_dim)
 
     def forward(X):
@@ -225,25 +225,16 @@ def torch_mha_forward(mha, *, readout: int = 0) -> Callable[[Any], Any]:
 
 
 def torch_mha_truth(mha, *, readout: int = 0) -> AttentionHead:
-    """(W, c, v, beta) of a one-head MultiheadAttention, in float64, for measuring errors only.
+    """(W, c, v, beta) of a one-head MultiheadAttention, in float64, for measuring errors only
+    (:func:`torch_mha_multihead_truth`'s one head, with the layer's output bias).
 
     For ``num_heads > 1`` use :func:`torch_mha_multihead_truth`.
     """
     if mha.num_heads != 1:
         raise ValueError(f"torch_mha_truth is for one head; this module has {mha.num_heads}: "
                          "use torch_mha_multihead_truth")
-    d = mha.embed_dim
-    f64 = np.float64
-    Win = mha.in_proj_weight.detach().numpy().astype(f64)
-    bin_ = mha.in_proj_bias.detach().numpy().astype(f64)
-    Wq, Wk, Wv = Win[:d], Win[d:2 * d], Win[2 * d:]
-    bq, bv = bin_[:d], bin_[2 * d:]
-    Wo = mha.out_proj.weight.detach().numpy().astype(f64)
-    bo = mha.out_proj.bias.detach().numpy().astype(f64)
-    r = readout_vector(readout, d).astype(f64)
-    scale = 1.0 / np.sqrt(d)
-    return AttentionHead(W=Wk.T @ Wq * scale, c=Wk.T @ bq * scale, v=Wv.T @ (Wo.T @ r),
-                         beta=float(r @ (Wo @ bv + bo)), dtype=f64)
+    layer = torch_mha_multihead_truth(mha, readout=readout)
+    return AttentionHead(W=layer.W[0], c=layer.C[0], v=layer.V[0], beta=layer.beta, dtype=np.float64)
 
 
 def torch_mha_multihead_truth(mha, *, readout: int = 0) -> MultiHeadAttention:

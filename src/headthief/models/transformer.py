@@ -30,12 +30,12 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidQuery
-from .attention import AttentionHead, evaluate_by_length, group_array
+from .attention import AttentionHead, as_float_array, evaluate_by_length, group_array
 from .multihead import MultiHeadAttention
 
 
 def _arr(a, dt, shape_ok, what: str) -> np.ndarray:
-    a = np.ascontiguousarray(np.asarray(a, dtype=dt))
+    a = as_float_array(a, dt)
     if not shape_ok(a.shape):
         raise ValueError(what + f", got shape {a.shape}")
     return a

@@ -5,15 +5,14 @@ errors, fidelity, and whether the defence stopped or fooled the method."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import SpecError
 from .engine import Task
+from .tasks import run_extract
 
 VALUE_METHODS = ("exact", "lowrank", "noisy")
 SIGN_METHODS = ("membership",)
@@ -48,20 +47,9 @@ EXIT_MEANING = {0: "extracted", 2: "refused / not identifiable", 3: "budget spen
 
 def audit_cell(p: dict, rng: np.random.Generator) -> dict:
     """One (method, defence) cell: ``headthief extract ... --json`` in this process."""
-    from ..cli import main
-    argv = ["extract", "--target", p["target"], "--method", p["method"], "--json", "--quiet",
-            "--seed", str(int(rng.integers(2 ** 31 - 1))), *p["flags"]]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    row = {}
-    lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
-    if lines:
-        row = json.loads(lines[-1])
+    code, row, msg = run_extract(p, rng)
     spent = row.get("queries")
-    msg = err.getvalue().strip().splitlines()
     if spent is None and code == 3:      # BudgetExceeded: stderr says how many were spent
-        import re
         m = re.search(r"(\d[\d,]*) quer", " ".join(msg))
         spent = int(m.group(1).replace(",", "")) if m else None
     mc = row.get("model_check") or {}
@@ -102,9 +90,7 @@ def audit_prada_cell(p: dict, rng: np.random.Generator) -> dict:
                               str(int(rng.integers(2 ** 31 - 1))), *p.get("flags", [])])
     target = resolve(p["target"])
     detector = Prada()
-    oracle = Watched(target.make_oracle(input_norm=None), detector)
-    if p["method"] in SIGN_METHODS or args.input_norm is not None:
-        oracle = Watched(build_oracle(target, args), detector)
+    oracle = Watched(build_oracle(target, args), detector)      # the oracle stack the CLI builds
     out = {"flagged_at": None, "queries": None, "W_rel_err": None, "outcome": "extracted", "exit": 0}
     try:
         res = METHODS[p["method"]].run(oracle, target, args, None)

@@ -17,6 +17,7 @@ processes on 127.0.0.1, the default) or ``"tcp://HOST:PORT"`` (an existing ``das
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -70,13 +71,11 @@ def run_task(task: Task) -> dict:
     try:
         try:
             from threadpoolctl import threadpool_limits
+            single_blas = threadpool_limits(1)
         except ImportError:            # pragma: no cover - threadpoolctl is in the sweep extra
-            threadpool_limits = None
+            single_blas = contextlib.nullcontext()
         rng = np.random.default_rng(task_seed(task))
-        if threadpool_limits is not None:
-            with threadpool_limits(1):
-                value = _resolve(task.fn)(dict(task.params), rng)
-        else:
+        with single_blas:
             value = _resolve(task.fn)(dict(task.params), rng)
         rec["value"] = json.loads(json.dumps(value, default=_jsonable))
         rec["error"] = None
@@ -108,12 +107,6 @@ class SweepSummary:
     failed: int
     scheduler: str
     seconds: float
-
-    def value(self, task_key: str, experiment: str | None = None) -> dict | None:
-        for r in self.records:
-            if r["key"] == task_key and (experiment is None or r["experiment"] == experiment):
-                return r["value"]
-        return None
 
 
 class TaskStore:

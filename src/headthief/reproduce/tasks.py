@@ -229,11 +229,10 @@ def membership_vs_queries(p: dict, rng: np.random.Generator) -> dict:
             "W_rel_err": float(np.linalg.norm(res.W - head.W) / np.linalg.norm(head.W))}
 
 
-def cli_extract(p: dict, rng: np.random.Generator) -> dict:
-    """``headthief extract --target T --method M --json`` in this process: the JSON row's figures.
-
-    Used where the CLI's own verification is the measurement (Section 4.1: fidelity on random sequences
-    and next to every kink)."""
+def run_extract(p: dict, rng: np.random.Generator) -> tuple[int, dict, list[str]]:
+    """``headthief extract --target T --method M --json --quiet --seed S FLAGS`` in this process (the same
+    oracle stack, model check and cost keys as a user's run). Returns (exit code, the JSON row or ``{}``,
+    the stderr lines)."""
     import contextlib
     import io
     import json as _json
@@ -245,11 +244,16 @@ def cli_extract(p: dict, rng: np.random.Generator) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
-    row = _json.loads(lines[-1]) if lines else {}
+    return code, (_json.loads(lines[-1]) if lines else {}), err.getvalue().strip().splitlines()
+
+
+def cli_extract(p: dict, rng: np.random.Generator) -> dict:
+    """The JSON row's figures of :func:`run_extract`. Used where the CLI's own verification is the
+    measurement (Section 4.1: fidelity on random sequences and next to every kink)."""
+    code, row, msg = run_extract(p, rng)
     keep = ("queries", "attention_queries", "ffn_queries", "W_rel_err", "v_rel_err", "fidelity_max_rel_err",
             "fidelity_kinks_max_rel_err", "neurons", "neurons_needed", "neurons_true", "ffn_neurons",
             "flips_resolved", "neuron_rel_err", "function_rel_err", "heads")
-    msg = err.getvalue().strip().splitlines()
     return {"exit": code, "message": msg[-1][:300] if msg else "",
             **{k: row.get(k) for k in keep if k in row},
             "check": (row.get("model_check") or {}).get("verdict")}

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
-from ..check import FFN, AnswerKind, Identity, ModelCheck, answer_kind, fidelity_threshold, method_resolution
+from ..check import (FFN, AnswerKind, Identity, ModelCheck, answer_kind, fidelity_threshold, fidelity_verdict,
+                     inconclusive_detail, method_resolution)
 
 HINTS = {
     "zero token": "f(0) != 0: the FFN has an output bias (pass --bias / bias=True, or use an ffn:...,bias=1 target)",
@@ -131,9 +132,12 @@ def ffn_verdict(res, oracle: Oracle, *, n: int = 256, rng: np.random.Generator |
     figure = max(fig_rand, fig_kink)
     resolution = method_resolution(res)
     threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution)
-    ok = figure <= threshold
     what = (f"fidelity {fig_rand:.3g} on {n} random points, {fig_kink:.3g} on {err.size - n} points next to "
             f"the {len(res.kinks)} recovered kinks")
+    if fidelity_verdict(figure, threshold) == "inconclusive":
+        return ModelCheck("inconclusive", FFN, kind.describe(), ids, cq, figure, threshold, vq,
+                          detail=inconclusive_detail(what, threshold, kind))
+    ok = figure <= threshold
     mc = ModelCheck("pass" if ok else "fail", FFN, kind.describe(), ids, cq, figure, threshold, vq,
                     detail=f"{what}; threshold {threshold:.3g} from {kind.describe()} answers")
     if not ok:

@@ -187,7 +187,6 @@ def extract_transformer_heads(
     _refuse_bias(bias)
     rng = np.random.default_rng(rng)
     t0 = time.perf_counter()
-    q0 = oracle.queries
     check_q, viol, allowed = reduction_check(oracle, rng=rng)
     if progress:
         progress(check_q)
