@@ -1,14 +1,17 @@
 """HTTP benchmark: the same extraction in-process and through `headthief serve` on loopback.
 
-1. exact on random:d=64 and random:d=384 (seed 1): seconds in-process, through HTTP with binary (npy)
-   and JSON framing, the ratio, requests per second, and whether the parameters are bit-identical;
+1. exact on random:d=64 and random:d=384 (seed 1): seconds in-process, through HTTP with the default
+   binary framing (``auto``: sparse where a request is at most a quarter nonzero, else .npy), with
+   .npy only and with JSON, the ratio (medians of ``--repeat`` runs), requests per second, bytes sent,
+   and whether the parameters are bit-identical; then the same as whole ``headthief extract`` commands;
 2. load: C concurrent clients for S seconds on one key (default 32 x 60 s): requests, p50/p99 latency,
    throughput, 5xx, and the ledger against the answers received;
 3. the PRADA detector (``--prada flag``): at which query each method is flagged, and natural queries;
 4. defences (rounding, noise): each method's error through HTTP.
 
     .venv/bin/python benchmarks/bench_http.py [--dims 64,384] [--load-clients 32] [--load-seconds 60]
-                                              [--skip-json-above 384] [--only timing,load,prada,defences]
+                                              [--skip-json-above 384] [--repeat 5]
+                                              [--only timing,commands,load,prada,defences]
                                               [--sync full,normal]
 """
 
@@ -62,33 +65,76 @@ def used(db) -> dict:
     return {r["name"]: r for r in rows}
 
 
-def timing(dims, skip_json_above, work: Path, syncs=("full",)) -> list[dict]:
+def per_run(total: int, runs: int):
+    """Queries charged per run: an integer when every run paid the same."""
+    return total // runs if total % runs == 0 else round(total / runs, 1)
+
+
+def timing(dims, skip_json_above, work: Path, syncs=("full",), repeat: int = 5) -> list[dict]:
+    """The exact method in-process and through HTTP, each timed ``repeat`` times (the median is
+    reported; each HTTP run is a new run id, so every run pays in full)."""
     from headthief.extraction.single.exact import extract_exact
     from headthief.oracles.http import HTTPOracle
     from headthief.targets import resolve
     rows = []
     for d in dims:
         spec = f"random:d={d},seed=1"
-        t0 = time.perf_counter()
-        local = extract_exact(resolve(spec).make_oracle(), verify=0, rng=np.random.default_rng(0))
-        t_local = time.perf_counter() - t0
-        for sync, framing in [(sy, f) for sy in syncs for f in ("npy", "json")]:
+        t_local = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            local = extract_exact(resolve(spec).make_oracle(), verify=0, rng=np.random.default_rng(0))
+            t_local.append(time.perf_counter() - t0)
+        t_local = float(np.median(t_local))
+        for sync, framing in [(sy, f) for sy in syncs for f in ("auto", "npy", "json")]:
             if framing == "json" and d > skip_json_above:
                 rows.append({"d": d, "framing": framing, "sync": sync, "skipped": f"d > {skip_json_above}"})
                 continue
             db = work / f"timing{d}-{sync}.sqlite"
             with Serve(spec, db, "--sync", sync) as s:
                 k = key(db, f"{framing}")
-                with HTTPOracle(s.url, api_key=k, framing=framing) as o:
-                    t0 = time.perf_counter()
-                    res = extract_exact(o, verify=0, rng=np.random.default_rng(0))
-                    t_http = time.perf_counter() - t0
-                    reqs = o.requests
-                ident = np.array_equal(res.W, local.W) and np.array_equal(res.v, local.v)
-                rows.append({"d": d, "framing": framing, "sync": sync, "queries": res.queries, "in_process_s": round(t_local, 3),
-                             "http_s": round(t_http, 3), "ratio": round(t_http / t_local, 2), "requests": reqs,
-                             "requests_per_s": round(reqs / t_http, 1), "bit_identical": bool(ident),
-                             "charged": used(db)[framing]["used"]})
+                t_http, ident = [], True
+                for _ in range(repeat if framing != "json" or d <= 64 else 1):
+                    with HTTPOracle(s.url, api_key=k, framing=framing) as o:
+                        t0 = time.perf_counter()
+                        res = extract_exact(o, verify=0, rng=np.random.default_rng(0))
+                        t_http.append(time.perf_counter() - t0)
+                        stats = o.stats()
+                    ident &= np.array_equal(res.W, local.W) and np.array_equal(res.v, local.v)
+                runs, t_http = len(t_http), float(np.median(t_http))
+                reqs = stats["requests"]
+                rows.append({"d": d, "framing": framing, "sync": sync, "queries": res.queries,
+                             "in_process_s": round(t_local, 3), "http_s": round(t_http, 3),
+                             "ratio": round(t_http / t_local, 2), "runs": runs, "requests": reqs,
+                             "requests_per_s": round(reqs / t_http, 1),
+                             "sent": "+".join(f"{v} {k}" for k, v in stats["sent"].items()),
+                             "MB_sent": round(stats["sent_bytes"] / 1e6, 2), "bit_identical": bool(ident),
+                             "charged_per_run": per_run(used(db)[framing]["used"], runs)})
+    return rows
+
+
+def commands(d: int, work: Path, repeat: int = 5) -> list[dict]:
+    """Whole commands as a user types them (process start, import, model check included), median of
+    ``repeat``: ``headthief extract --target random:d=D,seed=1 --method exact --verify 0 --json`` against
+    the same with ``--target http://...`` (a fresh key per run, so every run pays)."""
+    spec = f"random:d={d},seed=1"
+    base = ["extract", "--method", "exact", "--verify", "0", "--json", "--quiet"]
+
+    def timed(args) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        r = subprocess.run([*HT, *base, *args], capture_output=True, text=True, check=True)
+        return time.perf_counter() - t0, json.loads(r.stdout)
+
+    local = [timed(["--target", spec]) for _ in range(repeat)]
+    rows = [{"command": f"extract --target {spec}", "median_s": round(float(np.median([t for t, _ in local])), 3),
+             "queries": local[0][1]["queries"], "check_queries": local[0][1]["check_queries"]}]
+    db = work / f"commands{d}.sqlite"
+    with Serve(spec, db) as s:
+        remote = [timed(["--target", s.url, "--api-key", key(db, f"c{i}")]) for i in range(repeat)]
+    rows.append({"command": "extract --target http://127.0.0.1:PORT", "median_s":
+                 round(float(np.median([t for t, _ in remote])), 3), "queries": remote[0][1]["queries"],
+                 "check_queries": remote[0][1]["check_queries"],
+                 "charged_per_run": per_run(sum(r["used"] for r in used(db).values()), repeat)})
+    rows[1]["ratio"] = round(rows[1]["median_s"] / rows[0]["median_s"], 2)
     return rows
 
 
@@ -147,8 +193,10 @@ def defences(d: int, work: Path) -> list[dict]:
         db = work / f"def-{dname.replace(' ', '_').replace(':', '')}.sqlite"
         with Serve(f"random:d={d},seed=1", db, *opts) as s:
             for i, (name, args) in enumerate(METHODS):
-                if name.startswith("noisy") or name.endswith("gaussian"):
-                    continue       # noisy's --noise would add the client's own noise on top of the server's
+                if name.endswith("gaussian"):
+                    continue
+                if name.startswith("noisy"):    # the server publishes its tolerance (noisy:TAU, rounded:K)
+                    name, args = "noisy (tau from the server)", ["--method", "noisy"]
                 k = key(db, f"m{i}")
                 out = work / f"def{i}.npz"
                 rc, row, err = extract(s.url, k, args, out)
@@ -183,7 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-clients", type=int, default=32)
     p.add_argument("--load-seconds", type=float, default=60.0)
     p.add_argument("--detector-d", type=int, default=16)
-    p.add_argument("--only", default="timing,load,prada,defences")
+    p.add_argument("--only", default="timing,commands,load,prada,defences")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per row (the median is reported)")
     p.add_argument("--sync", default="full", help="ledger durability modes to time: full, normal or full,normal")
     a = p.parse_args(argv)
     parts = set(a.only.split(","))
@@ -191,8 +240,12 @@ def main(argv=None) -> int:
         work = Path(tmp)
         if "timing" in parts:
             print("== exact: in-process vs HTTP (loopback) ==")
-            print(table(timing([int(x) for x in a.dims.split(",")], a.skip_json_above, work, a.sync.split(","))),
-                  flush=True)
+            print(table(timing([int(x) for x in a.dims.split(",")], a.skip_json_above, work, a.sync.split(","),
+                               a.repeat)), flush=True)
+        if "commands" in parts:
+            d = max(int(x) for x in a.dims.split(","))
+            print(f"\n== whole commands, random:d={d}, exact, median of {a.repeat} ==")
+            print(table(commands(d, work, a.repeat)), flush=True)
         if "load" in parts:
             print(f"\n== load: {a.load_clients} clients x {a.load_seconds:g} s, one key, random:d=16 ==")
             print(table([load(a.load_clients, a.load_seconds, work)]), flush=True)

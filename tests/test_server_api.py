@@ -11,6 +11,7 @@ import pytest
 
 from _server import Server, add_key, headthief
 from headthief.models.attention import random_head
+from headthief.oracles.http import sparse_parts
 from headthief.server.accounts import Accounts
 
 D = 4
@@ -28,8 +29,14 @@ def api(tmp_path_factory):
             yield s, c, keys, db
 
 
-def post(c, key, X, idem, *, npy=False, headers=None):
+def post(c, key, X, idem, *, npy=False, sparse=False, headers=None):
     h = {"Idempotency-Key": idem, **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    if sparse:
+        X = np.asarray(X, dtype=np.float64)
+        flat = X.reshape(-1)
+        idx = np.flatnonzero(flat.view("<u8") != 0).astype("<u8")
+        body = b"".join(bytes(p) for p in sparse_parts(X.shape, idx, flat[idx]))
+        return c.post("/v1/query", content=body, headers={**h, "Content-Type": "application/x-headthief-sparse"})
     if npy:
         buf = io.BytesIO()
         np.save(buf, np.asarray(X))
@@ -62,6 +69,15 @@ def test_answers_are_the_heads_values_in_both_framings(api):
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-npy"
     assert r.headers["x-headthief-charged"] == "3"
     assert np.array_equal(np.load(io.BytesIO(r.content)), head.evaluate(X))
+    S = np.zeros((4, 2, D))
+    S[np.arange(4), 0, np.arange(4)] = [1.5, -2.0, 0.25, 3.0]
+    S[:, :, 1] += 0.5
+    r = post(c, keys["free"], S, "answers-sparse", sparse=True)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-npy", r.text
+    assert r.headers["x-headthief-charged"] == "4"
+    assert np.array_equal(np.load(io.BytesIO(r.content)), head.evaluate(S))
+    r = post(c, keys["free"], S, "answers-sparse-json", sparse=True, headers={"Accept": "application/json"})
+    assert r.status_code == 200 and r.json()["values"] == head.evaluate(S).tolist()
     ragged = {"sequences": [batch(2, 1, 1)[0].tolist(), batch(3, 1, 5)[0].tolist()]}
     r = c.post("/v1/query", json=ragged, headers={"Authorization": f"Bearer {keys['free']}", "Idempotency-Key": "rg"})
     assert r.status_code == 200 and len(r.json()["values"]) == 2
@@ -85,7 +101,12 @@ def test_401_without_a_valid_key(api, auth):
     (json.dumps({"sequences": [[]]}).encode(), "application/json", 422, "empty"),
     (json.dumps({"sequences": []}).encode(), "application/json", 422, "empty"),
     (b"\x93NUMPY garbage", "application/x-npy", 422, ".npy"),
-    (b"x", "text/plain", 415, "application/x-npy"),
+    (b"x", "text/plain", 415, "application/x-headthief-sparse"),
+    (b"HTSPARSE" + np.asarray([1, 1, D, 1], "<u8").tobytes() + np.asarray([D], "<u8").tobytes() + bytes(8),
+     "application/x-headthief-sparse", 422, "strictly increasing and below"),
+    (b"HTSPARSE" + np.asarray([1, 1, 3, 0], "<u8").tobytes(), "application/x-headthief-sparse", 422, "dimension"),
+    (b"HTSPARSE" + np.asarray([10**4, 16, D, 0], "<u8").tobytes(), "application/x-headthief-sparse", 422,
+     "the most is 25000"),
     (json.dumps({"sequences": np.zeros((65, 1, D)).tolist()}).encode(), "application/json", 413, "the most is 64"),
     (json.dumps({"sequences": np.zeros((1, 17, D)).tolist()}).encode(), "application/json", 413, "17 tokens"),
     (b" " * 200_001, "application/json", 413, "bytes"),
@@ -124,6 +145,14 @@ def test_idempotency_key_required_and_semantics(api):
     binary = post(c, k, X, "idem-1", npy=True)                        # the same payload in the other framing
     assert binary.status_code == 200 and binary.headers["x-headthief-replayed"] == "true"
     assert np.load(io.BytesIO(binary.content)).tolist() == first.json()["values"] and used() == u0 + 5
+    S = np.zeros((5, 2, D))
+    S[:, 0, 0] = np.arange(1.0, 6.0)
+    assert post(c, k, S, "idem-sparse", npy=True).status_code == 200 and used() == u0 + 10
+    again = post(c, k, S, "idem-sparse", sparse=True)                 # sparse framing, the same payload: free
+    assert again.status_code == 200 and again.headers["x-headthief-replayed"] == "true" and used() == u0 + 10
+    S[4, 1, 3] = 1.0
+    assert post(c, k, S, "idem-sparse", sparse=True).json()["error"] == "idempotency_key_reused"
+    u0 += 5
     other = post(c, k, batch(7, n=5), "idem-1")                       # the same key, another payload
     assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused" and used() == u0 + 5
     assert post(c, k, X, "idem-2").status_code == 200 and used() == u0 + 10   # a new key is a new charge
@@ -153,7 +182,7 @@ def test_403_when_the_budget_is_spent(api):
     assert post(c, k, batch(8, n=8), "b1").status_code == 200          # a retry of a paid request still answers
     assert post(c, k, batch(10, n=2), "b3").status_code == 200          # what is left can be spent
     assert c.get("/v1/usage", headers={"Authorization": f"Bearer {k}"}).json() | {} == {
-        "name": "small", "used": 10, "budget": 10, "rate": None, "flagged_at": None}
+        "name": "small", "used": 10, "budget": 10, "rate": None, "flagged_at": None, "output": "value"}
 
 
 def test_429_with_retry_after(api):

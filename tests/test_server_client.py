@@ -48,7 +48,7 @@ def same_npz(a, b):
         return set(x.files) == set(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
 
 
-@pytest.mark.parametrize("framing", ["npy", "json"])
+@pytest.mark.parametrize("framing", ["auto", "npy", "sparse", "json"])
 def test_exact_through_http_is_bit_identical_and_charged_exactly(d64, framing):
     s, work = d64
     key = add_key(s.db, f"acceptance-{framing}")
@@ -58,6 +58,13 @@ def test_exact_through_http_is_bit_identical_and_charged_exactly(d64, framing):
     assert remote["queries"] == local["queries"] == 4160
     assert remote["check_queries"] == local["check_queries"] == 16
     assert used(s.db, f"acceptance-{framing}") == 4160 + 16
+    http = remote["http"]
+    assert http["retried"] == 0 and http["server_replays"] == 0 and sum(http["sent"].values()) == http["requests"]
+    if framing == "auto":       # the basis probes go sparse, the model check's random sequences as .npy
+        assert http["sent"]["sparse"] > 100 and 0 < http["sent"]["npy"] < 10
+        assert http["sent_bytes"] < 0.1 * 4160 * 2 * 64 * 8
+    else:
+        assert set(http["sent"]) == {framing}
     assert headthief("keys", "audit", "--db", s.db).returncode == 0
 
 
@@ -133,3 +140,60 @@ def test_oracle_errors_are_typed(d8):
         assert (e.value.spent, e.value.budget, e.value.requested) == (2, 2, 1)
     with HTTPOracle(s.url, api_key="ht_nope") as o, pytest.raises(SpecError, match="401"):
         o.query(np.zeros((1, 1, 8)))
+
+
+class _OldServer:
+    """A transport standing in for a server that publishes only JSON and .npy (no sparse framing): it
+    answers each query with the head's values and records the content types it was sent."""
+
+    def __init__(self, d):
+        from headthief.oracles.http import _Response
+        self.head, self.types, self.R = random_head(d, rng=1), [], _Response
+        self.info = {"d": d, "framings": ["application/json", "application/x-npy"], "max_batch": 64}
+
+    def request(self, method, path, headers, parts=()):
+        import io
+        if path == "/v1/info":
+            return self.R(200, {"content-type": "application/json"}, json.dumps(self.info).encode())
+        if path == "/v1/usage":     # an older server without the key's output: the client keeps /v1/info's
+            return self.R(404, {"content-type": "application/json"}, b'{"detail": "Not Found"}')
+        self.types.append(headers["Content-Type"])
+        X = np.load(io.BytesIO(b"".join(bytes(p) for p in parts)))
+        buf = io.BytesIO()
+        np.save(buf, self.head.evaluate(X))
+        return self.R(200, {"content-type": "application/x-npy"}, buf.getvalue())
+
+    def close(self):
+        pass
+
+
+def test_auto_framing_falls_back_to_npy_where_the_server_has_no_sparse_framing():
+    X = np.zeros((5, 2, 8))
+    X[:, 0, 0] = 1.0
+    old = _OldServer(8)
+    with HTTPOracle("http://127.0.0.1:9", api_key="k", client=old) as o:
+        assert o.framing == "npy" and o.output == "value" and o.answer_tau == 0.0
+        assert np.array_equal(o.query(X), old.head.evaluate(X)) and old.types == ["application/x-npy"]
+    with pytest.raises(SpecError, match="does not accept framing=sparse"):
+        HTTPOracle("http://127.0.0.1:9", api_key="k", client=_OldServer(8), framing="sparse")
+    with pytest.raises(SpecError, match="framing='msgpack': use auto, npy, sparse, json"):
+        HTTPOracle("http://127.0.0.1:9", api_key="k", client=_OldServer(8), framing="msgpack")
+
+
+def test_the_noisy_method_reads_the_tolerance_the_server_publishes_for_the_key(d8plain):
+    """A key with a noise defence: /v1/usage says noisy:TAU, so `--method noisy` needs no --noise (which
+    would add the client's own noise on top), and the model check allows for TAU instead of failing."""
+    s, work = d8plain
+    key = add_key(s.db, "noisy-key", "--defence", "noise=1e-5,mode=uniform")
+    r, row = extract(s.url, work / "noisy.npz", "--method", "noisy", "--api-key", key)
+    assert r.returncode == 0, r.stderr
+    assert row["tau"] == 1e-5 and row["target_server_output"] == "noisy:1e-05"
+    assert row["model_check"]["answers"] == "float64, tolerance 1e-05" and row["model_check"]["verdict"] != "fail"
+    head = random_head(8, rng=1)
+    with np.load(work / "noisy.npz") as z:
+        err = np.linalg.norm(z["W"] - head.W) / np.linalg.norm(head.W)
+    assert 0 < err < 1e-2          # measured 8.2e-5: noise of 1e-5 amplified under the input-norm bound R = 1
+    # the exact method on the same key: its check knows the answers are noisy too, and is not fooled into
+    # calling the tolerance a wrong model class
+    r, row = extract(s.url, work / "exact-noisy.npz", "--method", "exact", "--api-key", key)
+    assert r.returncode == 0 and row["model_check"]["answers"] == "float64, tolerance 1e-05"

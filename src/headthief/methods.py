@@ -73,7 +73,7 @@ def _expected_noisy_paper(target, args):
 def _run_noisy(oracle, target, args, progress):
     from .extraction.robust.noisy import extract_noisy
     W_bound, _ = _noisy_settings(target, args, need=False)
-    return extract_noisy(oracle, **check_kw(args), tau=noise_tau(args), W_bound=W_bound, bias=target.bias,
+    return extract_noisy(oracle, **check_kw(args), tau=noise_tau(args, target), W_bound=W_bound, bias=target.bias,
                          extra=args.extra_probes, rng=np.random.default_rng(args.seed), progress=progress)
 
 
@@ -118,7 +118,8 @@ def _expected_membership_paper(target, args):
 def _membership_bias(target, args) -> bool:
     # a rounding API read through its sign answers [f > 0.5 * 10**-K]: an output-bias shift, so the
     # biased variant (which recovers the threshold) is used
-    return bool(target.bias or (args.noise_mode or "").startswith("round:"))
+    return bool(target.bias or (args.noise_mode or "").startswith("round:")
+                or published_output(target).startswith("rounded:"))
 
 
 def _run_membership(oracle, target, args, progress):
@@ -366,14 +367,25 @@ def input_norm_for(args) -> float | None:
     return 1.0 if args.method in NORM_BOUND_METHODS else None
 
 
-def noise_tau(args) -> float:
-    """The tolerance the oracle's answers have: ``--noise``, or ``0.5 * 10**-K`` for round:K, else 0."""
+def published_output(target: Target) -> str:
+    """What a model API says its answers are (``/v1/info``, or ``/v1/usage`` for the key's own defences):
+    ``value``, ``noisy:TAU``, ``rounded:K`` or ``sign``; ``value`` for a local target."""
+    return str(target.info.get("server_output") or "value")
+
+
+def noise_tau(args, target: Target | None = None) -> float:
+    """The tolerance the oracle's answers have: ``--noise``, or ``0.5 * 10**-K`` for round:K; else what
+    a model API publishes of its own answers (``noisy:TAU``, ``rounded:K``: the server adds the noise,
+    the client only needs to know TAU); else 0."""
     from .oracles.tolerance import parse_mode, round_tolerance
     if args.noise_mode is not None:
         kind, K = parse_mode(args.noise_mode)
         if kind == "round":
             return round_tolerance(K)
-    return float(args.noise) if args.noise is not None else 0.0
+    if args.noise is not None:
+        return float(args.noise)
+    from .oracles.http import output_tolerance
+    return output_tolerance(published_output(target)) if target is not None else 0.0
 
 
 def build_oracle(target: Target, args, **oracle_kw) -> Oracle:

@@ -306,6 +306,9 @@ def cmd_extract(args) -> int:
     if args.save:
         res.save(args.save)
     row = report(target, args.method, res, fidelity, args)
+    from ..oracles.http import HTTPOracle
+    if isinstance(oracle_stack(oracle)[-1], HTTPOracle):
+        row["http"] = oracle_stack(oracle)[-1].stats()
     if journal is not None:
         inner = oracle_stack(oracle)[-1]
         row["journal_replayed"] = inner.replayed

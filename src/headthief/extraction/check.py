@@ -142,6 +142,9 @@ def answer_kind(oracle: Oracle, answers: np.ndarray | None = None) -> AnswerKind
             sign = True
         elif isinstance(o, Tolerance):
             tau += o.tau
+        else:       # a model API says what its answers are (HTTPOracle: noisy:TAU, rounded:K, sign)
+            sign = sign or bool(getattr(o, "answer_sign", False))
+            tau += float(getattr(o, "answer_tau", 0.0))
     f32 = bool(answers is not None and not sign and looks_float32(answers))
     return AnswerKind(sign=sign, tau=tau, float32=f32)
 

@@ -20,9 +20,12 @@ Errors: 401 -> :class:`~headthief.errors.SpecError` (a bad key is bad input); 40
 :class:`~headthief.errors.OracleError`.
 
 The transport is one persistent HTTP/1.1 connection (:mod:`http.client`, TCP_NODELAY) reopened after
-any transport error: per request it costs a fraction of a general-purpose client's time. An ``.npy``
-body is sent as a small header followed by the array's own buffer (no copy), and the idempotency key
-hashes those bytes once.
+any transport error: per request it costs a fraction of a general-purpose client's time. Framing
+(``framing="auto"``, the default): a batch with at most a quarter of its entries nonzero (Theorem 4.1's
+basis probes: ~99% zeros) goes as ``application/x-headthief-sparse`` (its nonzero entries: kilobytes
+where the dense array is megabytes), any other as ``.npy``, sent as a small header followed by the
+array's own buffer (no copy). The idempotency key hashes the batch once, from its nonzero entries
+when it is sparse (:func:`payload_hash`).
 """
 
 from __future__ import annotations
@@ -43,30 +46,87 @@ from .base import Oracle
 
 JSON = "application/json"
 NPY = "application/x-npy"
+FRAMINGS = ("auto", "npy", "sparse", "json")
+
+
+SPARSE = "application/x-headthief-sparse"
+SPARSE_MAGIC = b"HTSPARSE"
+SPARSE_HEADER = 40          # magic, then n, N, d and nnz as little-endian uint64
+SPARSE_MAX_DENSITY = 0.25   # a batch with at most this fraction of nonzero entries is "sparse"
+
+
+SMALL_BODY = 1 << 18        # bodies up to this many bytes are joined to their headers and sent at once
+_SHORT = {NPY: "npy", SPARSE: "sparse", JSON: "json"}
+
+
+def sparse_form(A: np.ndarray) -> "tuple[np.ndarray, np.ndarray] | None":
+    """The nonzero entries of a float64 array, ``(flat indices as <u8, values as <f8)`` in row-major
+    order, when at most :data:`SPARSE_MAX_DENSITY` of its entries are nonzero; else None. "Nonzero"
+    means nonzero bits, so ``-0.0`` is kept and the dense array is rebuilt bit for bit."""
+    flat = np.ascontiguousarray(A, dtype="<f8").reshape(-1)
+    mask = flat.view("<u8") != 0        # (a boolean mask: nonzero() is several times faster on it)
+    if np.count_nonzero(mask) > SPARSE_MAX_DENSITY * flat.size:
+        return None
+    idx = np.flatnonzero(mask).astype("<u8", copy=False)
+    return idx, flat[idx]
+
+
+def sparse_hash(shape, idx: np.ndarray, vals: np.ndarray) -> bytes:
+    """:func:`payload_hash` of a sparse batch from its nonzero entries (which must be the
+    :func:`sparse_form` of the dense batch: increasing indices, nonzero bits, density at most
+    :data:`SPARSE_MAX_DENSITY`)."""
+    h = hashlib.sha256(b"S" + np.asarray(shape, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(idx, dtype="<u8"))
+    h.update(np.ascontiguousarray(vals, dtype="<f8"))
+    return h.digest()[:16]
 
 
 def payload_hash(X) -> bytes:
     """A hash of a batch that depends only on its sequences' shapes and float64 values (not on how it
     is framed, nor on whether it is one (n, N, d) array or a list of arrays of one shape); the server
     checks an idempotent retry's payload with it too. SHA-256 (hardware-accelerated on most CPUs), the
-    first 16 bytes."""
-    h = hashlib.sha256()
-    if isinstance(X, np.ndarray):
-        h.update(b"U" + np.asarray(X.shape, dtype="<i8").tobytes())
-        h.update(np.ascontiguousarray(X, dtype="<f8"))
-        return h.digest()[:16]
-    shapes = {np.shape(x) for x in X}
-    if len(shapes) == 1:        # one shape: the same bytes as the stacked array, streamed
-        h.update(b"U" + np.asarray((len(X), *shapes.pop()), dtype="<i8").tobytes())
-        for x in X:
-            h.update(np.ascontiguousarray(x, dtype="<f8"))
-        return h.digest()[:16]
-    h.update(b"R")
-    for x in X:
-        x = np.ascontiguousarray(x, dtype="<f8")
-        h.update(np.asarray(x.shape, dtype="<i8").tobytes())
-        h.update(x)
+    first 16 bytes, over the shape and either the nonzero entries (a sparse batch, :func:`sparse_form`:
+    a few kilobytes where basis probes fill megabytes) or all the values."""
+    if not isinstance(X, np.ndarray):
+        shapes = {np.shape(x) for x in X}
+        if len(shapes) != 1:        # ragged: every sequence's shape and values
+            h = hashlib.sha256(b"R")
+            for x in X:
+                x = np.ascontiguousarray(x, dtype="<f8")
+                h.update(np.asarray(x.shape, dtype="<i8").tobytes())
+                h.update(x)
+            return h.digest()[:16]
+        X = np.stack([np.asarray(x, dtype=np.float64) for x in X])     # one shape: the same as the stacked array
+    sp = sparse_form(X)
+    if sp is not None:
+        return sparse_hash(X.shape, *sp)
+    h = hashlib.sha256(b"U" + np.asarray(X.shape, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(X, dtype="<f8"))
     return h.digest()[:16]
+
+
+def sparse_parts(shape, idx: np.ndarray, vals: np.ndarray) -> tuple:
+    """The body of a sparse request as bytes-like parts (no copies of the two arrays):
+    ``HTSPARSE``, n, N, d, nnz (little-endian uint64), the nnz flat row-major indices (<u8, increasing)
+    and the nnz values (<f8)."""
+    head = SPARSE_MAGIC + np.asarray([*shape, len(idx)], dtype="<u8").tobytes()
+    return head, memoryview(np.ascontiguousarray(idx, dtype="<u8")).cast("B"), \
+        memoryview(np.ascontiguousarray(vals, dtype="<f8")).cast("B")
+
+
+def output_tolerance(output: str) -> float:
+    """The tolerance of answers published as ``noisy:TAU`` (TAU) or ``rounded:K`` (``0.5 * 10**-K``);
+    0 for ``value`` and ``sign``."""
+    from .tolerance import round_tolerance
+    kind, _, arg = output.partition(":")
+    try:
+        if kind == "noisy":
+            return float(arg)
+        if kind == "rounded":
+            return round_tolerance(int(arg))
+    except ValueError:
+        raise OracleError(f"the server publishes its answers as {output!r}, which names no tolerance") from None
+    return 0.0
 
 
 def _journal_run_id(transcript) -> str | None:
@@ -151,11 +211,15 @@ class _Connection:
             conn.putheader("Host", self.hostport)
             for k, v in headers.items():
                 conn.putheader(k, v)
+            size = sum(memoryview(p).nbytes for p in parts)
             if method == "POST":
-                conn.putheader("Content-Length", str(sum(memoryview(p).nbytes for p in parts)))
-            conn.endheaders()
-            for p in parts:
-                conn.sock.sendall(p)
+                conn.putheader("Content-Length", str(size))
+            if size <= SMALL_BODY:      # headers and body in one send (one system call, one packet)
+                conn.endheaders(b"".join(parts) if parts else None)
+            else:                       # a large body is sent from its own buffers, not copied
+                conn.endheaders()
+                for p in parts:
+                    conn.sock.sendall(p)
             r = conn.getresponse()
             content = r.read()
             status, hdrs = r.status, {k.lower(): v for k, v in r.getheaders()}
@@ -173,7 +237,9 @@ class HTTPOracle(Oracle):
     Args:
         url: the server, ``http://HOST:PORT``.
         api_key: the key (``headthief keys add``); default: the ``HEADTHIEF_API_KEY`` environment variable.
-        framing: ``"npy"`` (binary, fast; default) or ``"json"``.
+        framing: ``"auto"`` (default: per request the sparse binary framing when at most a quarter of
+            the batch's entries are nonzero, else ``.npy``), ``"npy"`` (always dense ``.npy``),
+            ``"sparse"`` (always sparse) or ``"json"``.
         run_id: names the run in every idempotency key; default: stored in the journal when there is
             one, else random per oracle.
         timeout: seconds for one request.
@@ -185,11 +251,11 @@ class HTTPOracle(Oracle):
         **kw: budget / transcript / input_norm of the oracle itself (input_norm defaults to the server's).
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, framing: str = "npy", run_id: str | None = None,
+    def __init__(self, url: str, *, api_key: str | None = None, framing: str = "auto", run_id: str | None = None,
                  timeout: float = 120.0, retries: int = 12, backoff: float = 0.05, max_backoff: float = 5.0,
                  max_wait: float = 600.0, client=None, **kw):
-        if framing not in ("npy", "json"):
-            raise SpecError(f"framing={framing!r}: use npy or json")
+        if framing not in FRAMINGS:
+            raise SpecError(f"framing={framing!r}: use {', '.join(FRAMINGS)}")
         if retries < 1:
             raise ValueError(f"retries must be >= 1, got {retries}")
         self.url = url.rstrip("/")
@@ -205,7 +271,16 @@ class HTTPOracle(Oracle):
         self.rate_waits = 0        # 429s waited out
         self.waited = 0.0          # seconds spent waiting (backoff and Retry-After)
         self.server_replays = 0    # requests the server answered from its ledger (free)
+        self.sent: dict[str, int] = {}     # requests sent (attempts included) per framing (npy, sparse, json)
+        self.sent_bytes = 0        # request body bytes sent (attempts included)
         self.info = self._get_info()
+        accepted = self.info.get("framings", [JSON, NPY])
+        if framing == "auto" and SPARSE not in accepted:
+            framing = "npy"         # an older server: dense .npy only
+        wanted = {"json": JSON, "npy": NPY, "sparse": SPARSE}.get(framing)
+        if wanted is not None and wanted not in accepted:
+            raise SpecError(f"{self.url} does not accept framing={framing} ({wanted}); it accepts {', '.join(accepted)}")
+        self.framing = framing
         if kw.get("input_norm") is None and self.info.get("input_norm") is not None:
             kw["input_norm"] = float(self.info["input_norm"])
         super().__init__(int(self.info["d"]), **kw)
@@ -213,6 +288,15 @@ class HTTPOracle(Oracle):
         self.max_len = int(self.info.get("max_len", 4096))
         self.max_body = int(self.info.get("max_body_bytes", 2**26))
         self.run_id = run_id or _journal_run_id(self.transcript) or os.urandom(16).hex()
+        # what the answers are, as the server publishes them for this key (its defences may be laid over
+        # the server's): the model check and the noisy method read the tolerance from here
+        self.output = str(self.info.get("output") or "value")
+        if self.api_key:
+            try:
+                self.output = str(self.usage().get("output") or self.output)
+            except OracleError:
+                pass            # a bad key: the first query says so
+        self.answer_tau, self.answer_sign = output_tolerance(self.output), self.output == "sign"
 
     def _settings(self) -> str:
         return f"{self.url!r}, framing={self.framing!r}, " + super()._settings()
@@ -266,10 +350,17 @@ class HTTPOracle(Oracle):
             raise OracleError(f"{self.url}/v1/usage answered {r.status_code}: {r.text[:200]}")
         return r.json()
 
+    def stats(self) -> dict[str, Any]:
+        """What the transport did: requests answered, attempts repeated, 429s waited out, answers the
+        server replayed from its ledger, bytes sent, and requests sent per framing."""
+        return {"requests": self.requests, "retried": self.retried, "rate_waits": self.rate_waits,
+                "waited_s": round(self.waited, 3), "server_replays": self.server_replays,
+                "sent_bytes": self.sent_bytes, "sent": dict(self.sent)}
+
     # -- queries ------------------------------------------------------------------------------------
 
     def _per_request(self, N: int) -> int:
-        per_seq = N * self.d * (8 if self.framing == "npy" else 26) + 16
+        per_seq = N * self.d * {"json": 26, "sparse": 16}.get(self.framing, 8) + 16
         return max(1, min(self.max_batch, (self.max_body - 1024) // per_seq))
 
     def _query(self, X) -> np.ndarray:
@@ -278,7 +369,7 @@ class HTTPOracle(Oracle):
         lengths = np.array([X.shape[1]] * n if isinstance(X, np.ndarray) else [x.shape[0] for x in X])
         if lengths.max() > self.max_len:
             raise InvalidQuery(f"a sequence has {int(lengths.max())} tokens; the server accepts at most {self.max_len}")
-        if self.framing == "npy" and not isinstance(X, np.ndarray):
+        if self.framing != "json" and not isinstance(X, np.ndarray):
             groups = [np.flatnonzero(lengths == N) for N in sorted(set(lengths.tolist()))]
         else:
             groups = [np.arange(n)]
@@ -296,19 +387,32 @@ class HTTPOracle(Oracle):
 
     def _send(self, chunk) -> np.ndarray:
         n = int(chunk.shape[0]) if isinstance(chunk, np.ndarray) else len(chunk)
-        if self.framing == "npy":
+        if self.framing != "json":
             A = np.ascontiguousarray(chunk if isinstance(chunk, np.ndarray) else np.stack(chunk), dtype="<f8")
-            # the body is the .npy header and then A's own buffer (not copied); payload_hash(A) reads
-            # the same bytes once
-            parts, ctype = (npy_header(A.shape), memoryview(A).cast("B")), NPY
-            ph = payload_hash(A)
+            sp = sparse_form(A) if self.framing != "npy" else None
+            ph = sparse_hash(A.shape, *sp) if sp is not None else payload_hash(A)
+            if sp is None and self.framing == "sparse":      # forced on a dense batch
+                flat = A.reshape(-1)
+                idx = np.flatnonzero(flat.view("<u8")).astype("<u8", copy=False)
+                sp = idx, flat[idx]
+            if sp is not None:      # a few kilobytes where basis probes fill megabytes
+                parts, ctype = sparse_parts(A.shape, *sp), SPARSE
+            else:
+                # the body is the .npy header and then A's own buffer (not copied); payload_hash(A)
+                # reads the same bytes once
+                parts, ctype = (npy_header(A.shape), memoryview(A).cast("B")), NPY
+                ph = payload_hash(A)
         else:
             parts = (json.dumps({"sequences": [np.asarray(x).tolist() for x in chunk]},
                                 separators=(",", ":")).encode(),)
             ctype = JSON
             ph = payload_hash(chunk)
         idem = hashlib.blake2b(self.run_id.encode() + ph, digest_size=20).hexdigest()
-        headers = {**self._headers(), "Idempotency-Key": idem, "Content-Type": ctype, "Accept": ctype}
+        headers = {**self._headers(), "Idempotency-Key": idem, "Content-Type": ctype,
+                   "Accept": JSON if ctype == JSON else NPY}
+        name = _SHORT[ctype]
+        self.sent[name] = self.sent.get(name, 0) + 1
+        self.sent_bytes += sum(memoryview(p).nbytes for p in parts)
         last = ""
         attempt = 0
         rate_waited = 0.0

@@ -8,6 +8,11 @@
   float64 (or float32) array of shape (n, N, d): n sequences of N tokens each. The answer is an
   ``.npy`` of the n float64 values; the other fields travel in ``X-Headthief-*`` headers. Sequences of
   different lengths go in separate requests (the client does that).
+- ``application/x-headthief-sparse`` (fast for sparse probes): ``HTSPARSE``, then n, N, d and nnz as
+  little-endian uint64, then nnz flat row-major indices into the (n, N, d) array (uint64, strictly
+  increasing) and nnz float64 values; every other entry is 0. Theorem 4.1's basis probes are ~99%
+  zeros: 12 KB instead of 1.2 MB a request at d = 384. The answer is an ``.npy`` as above. Its
+  dense size obeys the same limit as an ``.npy`` body (``max_body_bytes / 8`` entries).
 
 Both decoders name what is wrong with a malformed body (:class:`FramingError`, answered 422).
 """
@@ -21,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidQuery
-from ..oracles.http import npy_header
+from ..oracles.http import (NPY, SPARSE, SPARSE_HEADER, SPARSE_MAGIC, SPARSE_MAX_DENSITY, npy_header, payload_hash,
+                            sparse_hash)
 
 JSON = "application/json"
-NPY = "application/x-npy"
-FRAMINGS = (JSON, NPY)
+FRAMINGS = (JSON, NPY, SPARSE)      # request bodies
+ANSWERS = (JSON, NPY)               # answer bodies
 
 
 class FramingError(InvalidQuery):
@@ -126,10 +132,41 @@ def decode_npy(body: bytes) -> np.ndarray:
     return np.asarray(X, dtype=np.float64)
 
 
-def decode(body: bytes, content_type: str | None):
+def decode_sparse(body, max_entries: int) -> "tuple[np.ndarray, bytes]":
+    """A sparse body: the dense (n, N, d) float64 batch it stands for and its :func:`payload_hash`
+    (read from the nonzero entries when the batch is sparse: no pass over the dense array)."""
+    mv = memoryview(body)
+    if len(mv) < SPARSE_HEADER or bytes(mv[:8]) != SPARSE_MAGIC:
+        raise FramingError(f"a sparse body starts with {SPARSE_MAGIC.decode()} and n, N, d, nnz (uint64 each): "
+                           f"{SPARSE_HEADER} bytes")
+    n, N, d, nnz = (int(k) for k in np.frombuffer(body, dtype="<u8", count=4, offset=8))
+    size = n * N * d
+    if size > max_entries:
+        raise FramingError(f"the sparse batch stands for {n} x {N} x {d} = {size} entries; the most is {max_entries}")
+    if nnz > size:
+        raise FramingError(f"the sparse batch has {nnz} nonzero entries but only {size} entries in all")
+    if len(mv) != SPARSE_HEADER + 16 * nnz:
+        raise FramingError(f"a sparse body with nnz = {nnz} has {SPARSE_HEADER + 16 * nnz} bytes "
+                           f"({SPARSE_HEADER} of header, 8 per index, 8 per value); got {len(mv)}")
+    idx = np.frombuffer(body, dtype="<u8", count=nnz, offset=SPARSE_HEADER)
+    vals = np.frombuffer(body, dtype="<f8", count=nnz, offset=SPARSE_HEADER + 8 * nnz)
+    if nnz and (idx[-1] >= size or (nnz > 1 and not bool(np.all(idx[1:] > idx[:-1])))):
+        raise FramingError(f"the sparse batch's indices must be strictly increasing and below n*N*d = {size}")
+    X = np.zeros(size, dtype=np.float64)
+    X[idx] = vals
+    X = X.reshape(n, N, d)
+    canonical = nnz <= SPARSE_MAX_DENSITY * size and not bool(np.any(vals.view("<u8") == 0))
+    return X, sparse_hash(X.shape, idx, vals) if canonical else payload_hash(X)
+
+
+def decode(body: bytes, content_type: str | None, max_entries: int = 2**23):
+    """The batch of a request body (an (n, N, d) array or a list of (N_i, d) arrays); for a sparse body
+    ``(array, payload hash)``."""
     mt = media_type(content_type) or JSON
     if mt == NPY:
         return decode_npy(body)
+    if mt == SPARSE:
+        return decode_sparse(body, max_entries)
     return decode_json(body)
 
 

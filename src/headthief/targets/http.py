@@ -1,8 +1,9 @@
-"""The ``http://HOST:PORT[?framing=json|npy]`` target: a model behind a ``headthief serve`` API.
+"""The ``http://HOST:PORT[?framing=auto|npy|sparse|json]`` target: a model behind a ``headthief serve`` API.
 
 The key comes from ``--api-key`` (the ``api_key`` setting of :func:`headthief.targets.resolve`) or the
 ``HEADTHIEF_API_KEY`` environment variable. The truth is unknown to the client (errors print as ``-``);
-compare recovered parameters with ``--save``.
+compare recovered parameters with ``--save``. ``framing=auto`` (the default) sends each request in
+the sparse binary framing when at most a quarter of its entries are nonzero, else as ``.npy``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
     from ..oracles.http import HTTPOracle
     parts = urlsplit(spec)
     if not parts.hostname or parts.path not in ("", "/"):
-        raise SpecError(f"an http target is http://HOST:PORT[?framing=json|npy], got {spec!r}")
+        raise SpecError(f"an http target is http://HOST:PORT[?framing=auto|npy|sparse|json], got {spec!r}")
     opts = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     unknown = set(opts) - {"framing"}
     if unknown:
         raise SpecError(f"unknown option(s) for an http target: {', '.join(sorted(unknown))} (allowed: framing)")
-    framing = opts.get("framing", "npy")
-    if framing not in ("npy", "json"):
-        raise SpecError(f"framing={framing!r}: use npy or json")
+    from ..oracles.http import FRAMINGS
+    framing = opts.get("framing", "auto")
+    if framing not in FRAMINGS:
+        raise SpecError(f"framing={framing!r}: use {', '.join(FRAMINGS)}")
     url = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
     api_key = ctx.get("api_key")
     try:
@@ -34,7 +36,7 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
         raise SpecError(f"an http target needs httpx: pip install 'headthief[serve]' ({e})") from None
     except OracleError as e:
         raise SpecError(str(e)) from None
-    info = dict(probe.info)
+    info = dict(probe.info, output=probe.output)      # the key's own answers (its defences included)
     probe.close()
     d = int(info["d"])
     if ctx.get("d") is not None and int(ctx["d"]) != d:
