@@ -215,3 +215,24 @@ def test_ledger_agrees_with_budgets_and_answers(api):
                 "SELECT k.name, k.used, COALESCE(SUM(l.n), 0), COALESCE(SUM(length(l.answers)), 0) FROM keys k "
                 "LEFT JOIN ledger l ON l.key_id = k.id GROUP BY k.id"):
             assert used == total and blob_bytes == 8 * total, name
+
+
+def test_an_unexpected_error_in_a_query_is_a_logged_500_not_a_dropped_connection(tmp_path, caplog):
+    """/v1/query is answered before FastAPI's middleware stack: its own guard turns a bug into a 500 (as
+    ServerErrorMiddleware does for the other routes), and logs the traceback."""
+    from fastapi.testclient import TestClient
+
+    from headthief.server.app import Service, create_app
+
+    svc = Service(f"random:d={D},seed=1", tmp_path / "s.sqlite")
+    key = svc.accounts.add_key("k")
+
+    def broken(*a, **kw):
+        raise RuntimeError("a bug")
+
+    svc.query = broken
+    with TestClient(create_app(svc), raise_server_exceptions=False) as c:
+        r = post(c, key, batch(1), "boom")
+        assert r.status_code == 500 and r.json() == {"error": "internal", "detail": "internal server error"}
+        assert c.get("/v1/info").json()["d"] == D                   # the other routes are unaffected
+    assert any("a bug" in (rec.exc_text or "") or "a bug" in str(rec.exc_info) for rec in caplog.records)
