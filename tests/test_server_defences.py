@@ -99,3 +99,45 @@ def test_prada_refuse_answers_403_once_flagged(tmp_path):
     rec = s.accounts.lookup(key)
     assert rec.flagged_at is not None and rec.flagged_at <= 16 * l and rec.used == 16 * l
     assert s.accounts.audit() == []
+
+
+def test_a_restarted_server_keeps_the_prada_detectors_state(tmp_path):
+    """What each request adds to the detector is stored with its charge: a server restarted halfway
+    through an extraction flags it at the same query as one that ran throughout."""
+    E = np.eye(16)
+    batches = [np.stack([np.stack([E[l], 2 * E[l] + E[p]]) for p in range(16)]) for l in range(12)]
+
+    def run(db, restart_after):
+        s = Service("random:d=16,seed=2", db, defence=Defence(prada="flag"))
+        key = s.accounts.add_key("thief")
+        for i, X in enumerate(batches):
+            if i == restart_after:
+                s.accounts.close()
+                s = Service("random:d=16,seed=2", db, defence=Defence(prada="flag"))      # a new process
+            ask(s, key, X, f"b{i}")
+        rec = s.accounts.lookup(key)
+        det = s._prada[rec.id]
+        return rec.flagged_at, det._D, {k: G.shape for k, G in det._G.items()}, s
+
+    flagged, D, G, _ = run(tmp_path / "a.sqlite", None)
+    flagged_r, D_r, G_r, s = run(tmp_path / "b.sqlite", 5)      # 80 queries before the restart: no test yet
+    assert flagged is not None and 80 < flagged <= 192
+    assert flagged_r == flagged and D_r == D and G_r == G
+    rec = s.accounts.lookup(s.accounts.add_key("other"))
+    assert s.accounts.prada_state(rec.id, 5000) == ([], [])                 # per key
+
+
+def test_stored_prada_distances_are_pruned_to_the_last_D_MAX(tmp_path):
+    from headthief.server.accounts import Accounts
+    from headthief.server.defences import D_MAX
+    acc = Accounts(tmp_path / "a.sqlite")
+    acc.add_key("k")
+    rec = acc.list_keys()[0]
+    for i in range(3):
+        acc.begin(rec, f"i{i}", 1)
+        acc.charge(rec, f"i{i}", b"h" * 16, np.zeros(1), prada={"distances": [float(j) for j in range(i * D_MAX, (i + 1) * D_MAX)],
+                                                           "points": [(2, np.ones(2).tobytes())]})
+    points, dists = acc.prada_state(rec.id, D_MAX)
+    assert dists == [float(j) for j in range(2 * D_MAX, 3 * D_MAX)] and len(points) == 3
+    assert acc._db.execute("SELECT COUNT(*) FROM prada_distances").fetchone()[0] <= 2 * D_MAX
+    assert acc.audit() == []

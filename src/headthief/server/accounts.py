@@ -127,6 +127,13 @@ class Accounts:
                     idem_key TEXT NOT NULL, payload_hash BLOB NOT NULL, n INTEGER NOT NULL,
                     answers BLOB NOT NULL, flagged INTEGER NOT NULL DEFAULT 0, at REAL NOT NULL,
                     UNIQUE (key_id, idem_key));
+                CREATE TABLE IF NOT EXISTS prada_points (
+                    id INTEGER PRIMARY KEY, key_id INTEGER NOT NULL REFERENCES keys(id), length INTEGER NOT NULL,
+                    x BLOB NOT NULL);
+                CREATE TABLE IF NOT EXISTS prada_distances (
+                    id INTEGER PRIMARY KEY, key_id INTEGER NOT NULL REFERENCES keys(id), d REAL NOT NULL);
+                CREATE INDEX IF NOT EXISTS prada_points_key ON prada_points (key_id, id);
+                CREATE INDEX IF NOT EXISTS prada_distances_key ON prada_distances (key_id, id);
             """)
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
             if not meta:
@@ -257,9 +264,20 @@ class Accounts:
             self._inflight.discard((rec.id, idem_key))
             self._reserved[rec.id] = max(0, self._reserved.get(rec.id, 0) - n)
 
+    def prada_state(self, key_id: int, max_distances: int) -> tuple[list, list]:
+        """The stored PRADA detector state of a key: its points ``[(N, bytes)]`` in the order they joined,
+        and its last ``max_distances`` minimum distances, oldest first."""
+        with self._lock:
+            points = self._db.execute("SELECT length, x FROM prada_points WHERE key_id = ? ORDER BY id",
+                                      (key_id,)).fetchall()
+            dists = self._db.execute("SELECT d FROM prada_distances WHERE key_id = ? ORDER BY id DESC LIMIT ?",
+                                     (key_id, max_distances)).fetchall()
+        return [(int(n), bytes(x)) for n, x in points], [float(d) for (d,) in reversed(dists)]
+
     def charge(self, rec: KeyRecord, idem_key: str, payload_hash: bytes, answers: np.ndarray, *,
-               flagged: bool = False, flag_at: int | None = None) -> int:
-        """Charge ``len(answers)`` queries and store the response, in one transaction; return ``used``."""
+               flagged: bool = False, flag_at: int | None = None, prada: dict | None = None) -> int:
+        """Charge ``len(answers)`` queries and store the response, in one transaction; return ``used``.
+        ``prada``: what the request added to the key's detector (``Prada.observe``), stored with it."""
         y = np.ascontiguousarray(answers, dtype="<f8")
         n = int(y.shape[0])
         with self._lock:
@@ -272,6 +290,8 @@ class Accounts:
                 self._db.execute("UPDATE keys SET used = used + ?, tokens = COALESCE(?, tokens), "
                                  "tokens_at = COALESCE(?, tokens_at), flagged_at = COALESCE(flagged_at, ?) "
                                  "WHERE id = ?", (n, tokens, at, flag_at, rec.id))
+                if prada:
+                    self._store_prada(rec.id, prada)
                 self._db.execute("COMMIT")
             except sqlite3.Error:
                 if self._db.in_transaction:
@@ -281,6 +301,20 @@ class Accounts:
                 self._inflight.discard((rec.id, idem_key))
                 self._reserved[rec.id] = max(0, self._reserved.get(rec.id, 0) - n)
             return int(self._db.execute("SELECT used FROM keys WHERE id = ?", (rec.id,)).fetchone()[0])
+
+    def _store_prada(self, key_id: int, added: dict) -> None:
+        from .defences import D_MAX
+        if added.get("points"):
+            self._db.executemany("INSERT INTO prada_points (key_id, length, x) VALUES (?, ?, ?)",
+                                 [(key_id, n, x) for n, x in added["points"]])
+        if added.get("distances"):
+            self._db.executemany("INSERT INTO prada_distances (key_id, d) VALUES (?, ?)",
+                                 [(key_id, d) for d in added["distances"]])
+            last = int(self._db.execute("SELECT last_insert_rowid()").fetchone()[0])
+            # keep the last D_MAX of the key (what the detector uses): pruned about every D_MAX rows
+            if last % D_MAX < len(added["distances"]):
+                self._db.execute("DELETE FROM prada_distances WHERE key_id = ? AND id NOT IN (SELECT id FROM "
+                                 "prada_distances WHERE key_id = ? ORDER BY id DESC LIMIT ?)", (key_id, key_id, D_MAX))
 
     def audit(self) -> list[str]:
         """Every disagreement between budgets, ledger and answers (empty when all agree)."""

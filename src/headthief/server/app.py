@@ -19,6 +19,7 @@
 
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from .. import __version__
 from ..errors import InvalidQuery, OracleError
 from ..oracles.http import payload_hash
 from .accounts import Accounts, KeyRecord
-from .defences import Defence, Prada, parse_defence
+from .defences import D_MAX, Defence, Prada, parse_defence
 from .framing import ANSWERS, FRAMINGS, JSON, NPY, SPARSE, FramingError, decode, encode_json, encode_npy, media_type
 
 MAX_BODY_BYTES = 64 * 2**20
@@ -71,6 +72,7 @@ class Service:
         self.max_body_bytes = int(max_body_bytes)
         self._oracles: dict[Defence, Any] = {}
         self._prada: dict[int, Prada] = {}
+        self._prada_lock = threading.Lock()
         self._pool = None
         self._workers = None
 
@@ -79,6 +81,19 @@ class Service:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="headthief-hash")
         return self._pool
+
+    def _detector(self, rec: KeyRecord, defence: Defence) -> Prada:
+        """The key's PRADA detector, restored from the database the first time this process sees it."""
+        det = self._prada.get(rec.id)
+        if det is None:
+            with self._prada_lock:
+                det = self._prada.get(rec.id)
+                if det is None:
+                    det = Prada(defence.prada_delta, defence.prada_min)
+                    det.restore(*self.accounts.prada_state(rec.id, D_MAX))
+                    det.base = self.accounts.get(rec.id).used   # queries paid before this process saw any
+                    self._prada[rec.id] = det
+        return det
 
     def workers(self):
         """The threads that answer query requests (blocking work: SQLite, the model) off the event loop."""
@@ -182,17 +197,15 @@ class Service:
                 y = oracle.query(X)
             except (InvalidQuery, OracleError) as e:
                 raise Problem(422, "invalid_batch", f"the model cannot answer this batch: {e}") from None
-            flag_at = None
+            flag_at, added = None, None
             if defence.prada != "off":
-                det = self._prada.get(rec.id)
-                if det is None:
-                    det = self._prada.setdefault(rec.id, Prada(defence.prada_delta, defence.prada_min))
-                    det.base = rec.used     # queries the key had paid before this server process saw any
-                flagged_now = det.observe(X)
+                det = self._detector(rec, defence)
+                added = {}
+                flagged_now = det.observe(X, added)
                 if flagged_now is not None and rec.flagged_at is None:
                     flag_at = det.base + flagged_now
             used = self.accounts.charge(rec, idem_key, ph_job.result(), y, flagged=flag_at is not None or rec.flagged_at is not None,
-                                        flag_at=flag_at)
+                                        flag_at=flag_at, prada=added)
         except BaseException:
             self.accounts.abandon(rec, idem_key, n)
             raise

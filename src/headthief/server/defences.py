@@ -22,6 +22,9 @@ of minimum distances; once D has ``prada_min`` entries it computes the Shapiro-W
 (:func:`scipy.stats.shapiro`) and flags the client when ``W < prada_delta``. ``flag`` records the query
 count at which that happened (``keys list`` shows it) and keeps answering; ``refuse`` answers 403 from
 then on. Bounded: G keeps at most ``G_MAX`` queries per length and D the last ``D_MAX`` distances.
+The server stores what each request adds to G and D in the transaction that charges it
+(:meth:`Accounts.charge`), and a restarted server restores them (:meth:`Prada.restore`): a restart does
+not reset the detector.
 """
 
 from __future__ import annotations
@@ -152,9 +155,24 @@ class Prada:
     def __repr__(self) -> str:
         return f"Prada(delta={self.delta}, min_queries={self.min_queries}, seen={self.seen}, flagged_at={self.flagged_at})"
 
-    def observe(self, X) -> int | None:
+    def restore(self, points, distances) -> None:
+        """Take back a stored state: ``points`` (sequence length N, float64 bytes of an N*d query) in the
+        order they joined G, and the last distances of D, oldest first."""
+        with self._lock:
+            for _, blob in points:
+                x = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+                G = self._G.get((x.shape[0],))
+                if G is None or G.shape[0] < G_MAX:
+                    self._G[(x.shape[0],)] = x[None, :] if G is None else np.vstack([G, x[None, :]])
+            self._D = [float(v) for v in distances][-D_MAX:]
+
+    def observe(self, X, added: dict | None = None) -> int | None:
         """Take in a batch of queries; return the (1-based) query count at which the client was first
-        flagged, or None if it has not been."""
+        flagged, or None if it has not been. ``added`` (a dict) receives what this batch added to the
+        state, to be stored: ``points`` [(N, bytes)] and ``distances`` [float]."""
+        if added is not None:
+            added.setdefault("points", [])
+            added.setdefault("distances", [])
         from scipy.stats import shapiro
         seqs = list(X) if isinstance(X, np.ndarray) else X
         with self._lock:
@@ -165,15 +183,21 @@ class Prada:
                 self.seen += 1
                 if G is None or G.shape[0] == 0:
                     self._G[key] = x[None, :]
+                    if added is not None:
+                        added["points"].append((len(x), x.astype("<f8").tobytes()))
                     continue
                 dmin = float(np.sqrt(max(0.0, float(np.min(np.sum((G - x) ** 2, axis=1))))))
                 self._D.append(dmin)
+                if added is not None:
+                    added["distances"].append(dmin)
                 if len(self._D) > D_MAX:
                     del self._D[: len(self._D) - D_MAX]
                 D = np.asarray(self._D)
                 threshold = float(D.mean() - D.std()) if D.size > 1 else 0.0
                 if dmin > threshold and G.shape[0] < G_MAX:
                     self._G[key] = np.vstack([G, x[None, :]])
+                    if added is not None:
+                        added["points"].append((len(x), x.astype("<f8").tobytes()))
                 if self.flagged_at is None and D.size >= self.min_queries and D.size % 10 == 0:
                     if np.ptp(D) == 0:
                         W = 0.0          # every distance equal: as far from normal as it gets
