@@ -11,7 +11,7 @@ import pytest
 
 from _server import Server, add_key, headthief
 from headthief.models.attention import random_head
-from headthief.oracles.http import sparse_parts
+from headthief.oracles.http import sparse_form, sparse_parts
 from headthief.server.accounts import Accounts
 
 D = 4
@@ -33,9 +33,7 @@ def post(c, key, X, idem, *, npy=False, sparse=False, headers=None):
     h = {"Idempotency-Key": idem, **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     if sparse:
         X = np.asarray(X, dtype=np.float64)
-        flat = X.reshape(-1)
-        idx = np.flatnonzero(flat.view("<u8") != 0).astype("<u8")
-        body = b"".join(bytes(p) for p in sparse_parts(X.shape, idx, flat[idx]))
+        body = b"".join(bytes(p) for p in sparse_parts(X.shape, *sparse_form(X, max_density=1.0)))
         return c.post("/v1/query", content=body, headers={**h, "Content-Type": "application/x-headthief-sparse"})
     if npy:
         buf = io.BytesIO()

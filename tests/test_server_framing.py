@@ -97,9 +97,7 @@ def test_sparse_bodies_rebuild_the_batch_bit_for_bit_and_hash_like_the_dense_one
 def test_dense_batches_have_no_sparse_form_and_a_forced_sparse_body_still_hashes_like_npy():
     X = np.random.default_rng(1).normal(size=(4, 3, 8))
     assert sparse_form(X) is None
-    flat = X.reshape(-1)
-    idx = np.arange(flat.size, dtype="<u8")
-    Y, ph = decode_sparse(sparse_body(X, (idx, flat)), X.size)
+    Y, ph = decode_sparse(sparse_body(X, sparse_form(X, max_density=1.0)), X.size)
     assert np.array_equal(Y, X) and ph == payload_hash(X)
     # explicit zero entries are allowed, and the hash is still the batch's
     Z = basis_probes(n=5, d=16)

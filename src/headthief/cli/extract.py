@@ -307,10 +307,10 @@ def cmd_extract(args) -> int:
         res.save(args.save)
     row = report(target, args.method, res, fidelity, args)
     from ..oracles.http import HTTPOracle
-    if isinstance(oracle_stack(oracle)[-1], HTTPOracle):
-        row["http"] = oracle_stack(oracle)[-1].stats()
+    inner = oracle_stack(oracle)[-1]
+    if isinstance(inner, HTTPOracle):
+        row["http"] = inner.stats()
     if journal is not None:
-        inner = oracle_stack(oracle)[-1]
         row["journal_replayed"] = inner.replayed
         row["journal_sent"] = inner.fresh
         row["transcript_replayed"], row["transcript_sent"] = inner.replayed, inner.fresh   # the old names

@@ -59,13 +59,13 @@ SMALL_BODY = 1 << 18        # bodies up to this many bytes are joined to their h
 _SHORT = {NPY: "npy", SPARSE: "sparse", JSON: "json"}
 
 
-def sparse_form(A: np.ndarray) -> "tuple[np.ndarray, np.ndarray] | None":
+def sparse_form(A: np.ndarray, max_density: float = SPARSE_MAX_DENSITY) -> "tuple[np.ndarray, np.ndarray] | None":
     """The nonzero entries of a float64 array, ``(flat indices as <u8, values as <f8)`` in row-major
-    order, when at most :data:`SPARSE_MAX_DENSITY` of its entries are nonzero; else None. "Nonzero"
+    order, when at most ``max_density`` of its entries are nonzero (1.0: always); else None. "Nonzero"
     means nonzero bits, so ``-0.0`` is kept and the dense array is rebuilt bit for bit."""
     flat = np.ascontiguousarray(A, dtype="<f8").reshape(-1)
     mask = flat.view("<u8") != 0        # (a boolean mask: nonzero() is several times faster on it)
-    if np.count_nonzero(mask) > SPARSE_MAX_DENSITY * flat.size:
+    if np.count_nonzero(mask) > max_density * flat.size:
         return None
     idx = np.flatnonzero(mask).astype("<u8", copy=False)
     return idx, flat[idx]
@@ -390,18 +390,14 @@ class HTTPOracle(Oracle):
         if self.framing != "json":
             A = np.ascontiguousarray(chunk if isinstance(chunk, np.ndarray) else np.stack(chunk), dtype="<f8")
             sp = sparse_form(A) if self.framing != "npy" else None
+            # the hash reads the batch once: its nonzero entries when sparse, else all of it
             ph = sparse_hash(A.shape, *sp) if sp is not None else payload_hash(A)
             if sp is None and self.framing == "sparse":      # forced on a dense batch
-                flat = A.reshape(-1)
-                idx = np.flatnonzero(flat.view("<u8")).astype("<u8", copy=False)
-                sp = idx, flat[idx]
+                sp = sparse_form(A, max_density=1.0)
             if sp is not None:      # a few kilobytes where basis probes fill megabytes
                 parts, ctype = sparse_parts(A.shape, *sp), SPARSE
-            else:
-                # the body is the .npy header and then A's own buffer (not copied); payload_hash(A)
-                # reads the same bytes once
+            else:                   # the .npy header and then A's own buffer (not copied)
                 parts, ctype = (npy_header(A.shape), memoryview(A).cast("B")), NPY
-                ph = payload_hash(A)
         else:
             parts = (json.dumps({"sequences": [np.asarray(x).tolist() for x in chunk]},
                                 separators=(",", ":")).encode(),)

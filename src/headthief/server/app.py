@@ -20,6 +20,7 @@
 
 import math
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -176,7 +177,11 @@ class Service:
                           flagged_at=rec.flagged_at)
         # the payload hash (SHA-256 over the batch, ~0.5 ms a MB) runs on another thread while the model
         # answers (both release the GIL); it is needed only to compare with a stored request and to charge
-        ph_job = self._hasher().submit(payload_hash, X) if ph is None else _Done(ph)
+        if ph is None:
+            ph_job = self._hasher().submit(payload_hash, X)
+        else:                   # known from a sparse body without work
+            ph_job = Future()
+            ph_job.set_result(ph)
         state, info = self.accounts.begin(rec, idem_key, n)
         if state == "replay":
             if info.payload_hash != ph_job.result():
@@ -261,18 +266,6 @@ class Service:
                        for k, v in fields.items()}
             return encode_npy(np.asarray(y, dtype="<f8")), NPY, headers
         return encode_json({"values": np.asarray(y, dtype=np.float64).tolist(), **fields}), JSON, {}
-
-
-class _Done:
-    """A finished future (a payload hash known without work)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def _openapi_extras(d: int, defence: Defence) -> dict[str, Any]:

@@ -158,12 +158,15 @@ class Prada:
     def restore(self, points, distances) -> None:
         """Take back a stored state: ``points`` (sequence length N, float64 bytes of an N*d query) in the
         order they joined G, and the last distances of D, oldest first."""
+        rows: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for _, blob in points:
+            x = np.frombuffer(blob, dtype="<f8")
+            rows.setdefault((x.shape[0],), []).append(x)
         with self._lock:
-            for _, blob in points:
-                x = np.frombuffer(blob, dtype="<f8").astype(np.float64)
-                G = self._G.get((x.shape[0],))
-                if G is None or G.shape[0] < G_MAX:
-                    self._G[(x.shape[0],)] = x[None, :] if G is None else np.vstack([G, x[None, :]])
+            for key, xs in rows.items():        # one stack per length (not one per point)
+                G = self._G.get(key)
+                new = np.stack(xs[:G_MAX]).astype(np.float64)
+                self._G[key] = (new if G is None else np.vstack([G, new]))[:G_MAX]
             self._D = [float(v) for v in distances][-D_MAX:]
 
     def observe(self, X, added: dict | None = None) -> int | None:
