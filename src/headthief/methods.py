@@ -33,7 +33,7 @@ class Method:
     help: str
 
 
-def _run_exact(oracle, target, args, progress):
+def _run_exact(oracle, target, args, progress, clean=None):
     from .extraction.single.exact import extract_exact
     return extract_exact(oracle, **check_kw(args), probes=args.probes, bias=target.bias, scales=args.scales,
                          rng=np.random.default_rng(args.seed), progress=progress)
@@ -57,7 +57,7 @@ def _noisy_settings(target, args, *, need: bool):
     return W_bound, mu
 
 
-def _run_noisy_paper(oracle, target, args, progress):
+def _run_noisy_paper(oracle, target, args, progress, clean=None):
     from .extraction.robust.noisy_paper import extract_noisy_paper
     if target.bias:
         raise SpecError("noisy-paper is Theorem 6.1 for the paper's model (no biases); use --method noisy")
@@ -70,7 +70,7 @@ def _expected_noisy_paper(target, args):
     return noisy_paper_query_count(target.d)
 
 
-def _run_noisy(oracle, target, args, progress):
+def _run_noisy(oracle, target, args, progress, clean=None):
     from .extraction.robust.noisy import extract_noisy
     W_bound, _ = _noisy_settings(target, args, need=False)
     return extract_noisy(oracle, **check_kw(args), tau=noise_tau(args, target), W_bound=W_bound, bias=target.bias,
@@ -95,7 +95,7 @@ def _membership_paper_settings(target, args):
     return max(2.0, float(W_bound)), float(mu)
 
 
-def _run_membership_paper(oracle, target, args, progress):
+def _run_membership_paper(oracle, target, args, progress, clean=None):
     from .extraction.robust.membership_paper import extract_membership_paper
     if target.bias:
         raise SpecError("membership-paper is Theorem B.1 for the paper's model (no biases); use --method membership")
@@ -122,7 +122,7 @@ def _membership_bias(target, args) -> bool:
                 or published_output(target).startswith("rounded:"))
 
 
-def _run_membership(oracle, target, args, progress):
+def _run_membership(oracle, target, args, progress, clean=None):
     from .extraction.robust.membership import extract_membership
     return extract_membership(oracle, **check_kw(args), bias=_membership_bias(target, args), rng=np.random.default_rng(args.seed),
                               progress=progress)
@@ -143,7 +143,7 @@ def _rank_arg(args) -> int | None:
         raise SpecError(f"--rank must be an integer or 'auto', got {args.rank!r}") from None
 
 
-def _run_lowrank(oracle, target, args, progress):
+def _run_lowrank(oracle, target, args, progress, clean=None):
     from .extraction.single.lowrank import extract_lowrank
     return extract_lowrank(oracle, **check_kw(args), rank=_rank_arg(args), bias=target.bias, oversample=args.oversample,
                            scales=args.scales, rng=np.random.default_rng(args.seed), progress=progress)
@@ -157,7 +157,7 @@ def _expected_lowrank(target, args):
     return lowrank_query_count(target.d, r, bias=target.bias, oversample=args.oversample or 0)
 
 
-def _run_rop(oracle, target, args, progress):
+def _run_rop(oracle, target, args, progress, clean=None):
     from .extraction.single.rop import extract_rop
     return extract_rop(oracle, **check_kw(args), rank=_rank_arg(args), measurements=args.measurements,
                        oversampling=args.oversampling, solver=args.solver, bias=target.bias,
@@ -186,7 +186,7 @@ def _heads_arg(args) -> int | None:
         raise SpecError(f"--heads must be an integer or 'auto', got {h!r}") from None
 
 
-def _run_multihead(oracle, target, args, progress):
+def _run_multihead(oracle, target, args, progress, clean=None):
     from .extraction.multihead import extract_multihead
     return extract_multihead(oracle, **check_kw(args), heads=_heads_arg(args), max_heads=args.max_heads,
                              rank=_rank_arg(args), bias=target.bias, rng=np.random.default_rng(args.seed),
@@ -217,7 +217,7 @@ def _bases(target, args):
     return target.bases
 
 
-def _run_multihead_subspaces(oracle, target, args, progress):
+def _run_multihead_subspaces(oracle, target, args, progress, clean=None):
     from .extraction.multihead import extract_multihead_subspaces
     return extract_multihead_subspaces(oracle, _bases(target, args), **check_kw(args), bias=target.bias,
                                        progress=progress, rng=np.random.default_rng(args.seed))
@@ -232,7 +232,7 @@ def _expected_multihead_subspaces(target, args):
         return None
 
 
-def _run_multihead_hessian(oracle, target, args, progress):
+def _run_multihead_hessian(oracle, target, args, progress, clean=None):
     from .extraction.multihead import extract_multihead_hessian
     return extract_multihead_hessian(oracle, **check_kw(args), heads=_heads_arg(args), bias=target.bias,
                                      rng=np.random.default_rng(args.seed), progress=progress)
@@ -277,8 +277,9 @@ def _transformer_heads(args) -> int:
     return 1 if h is None else h
 
 
-def _kink_check(res, target, args):
-    """Fidelity next to every recovered FFN kink (one head), on a clean oracle; added to the diagnostics.
+def _kink_check(res, target, args, clean=None):
+    """Fidelity next to every recovered FFN kink (one head), on a clean oracle (``clean()``: the pipeline's,
+    inside the query budget; else the target's own); added to the diagnostics.
 
     A figure above the model check's threshold raises :class:`ModelMismatch` like the check's own verdict."""
     import dataclasses
@@ -287,7 +288,8 @@ def _kink_check(res, target, args):
     from .extraction.transformer.recovered import verify_transformer
     if args.verify <= 0 or res.predicts != "transformer" or res.ffn is None:
         return res
-    f = verify_transformer(res, target.make_oracle(input_norm=input_norm_for(args)), n=0, per_kink=2,
+    oracle = clean() if clean is not None else target.make_oracle(input_norm=input_norm_for(args))
+    f = verify_transformer(res, oracle, n=0, per_kink=2,
                            rng=np.random.default_rng(20_000 + int(args.seed)))
     diag = {**res.diagnostics, "fidelity_kinks_max_rel_err": f.kinks.max_rel_err, "kink_sequences": f.kinks.n,
             "kink_verify_queries": f.kinks.queries}
@@ -304,17 +306,17 @@ def _kink_check(res, target, args):
     return res
 
 
-def _run_transformer_paper(oracle, target, args, progress):
+def _run_transformer_paper(oracle, target, args, progress, clean=None):
     from .extraction.transformer.paper import extract_transformer_heads, extract_transformer_paper
     H = _transformer_heads(args)
     rng = np.random.default_rng(args.seed)
     if H > 1:
         return extract_transformer_heads(oracle, **check_kw(args), heads=H, max_heads=args.max_heads, rng=rng,
                                          progress=progress)
-    return _kink_check(extract_transformer_paper(oracle, **check_kw(args), rng=rng, progress=progress), target, args)
+    return _kink_check(extract_transformer_paper(oracle, **check_kw(args), rng=rng, progress=progress), target, args, clean)
 
 
-def _run_transformer(oracle, target, args, progress):
+def _run_transformer(oracle, target, args, progress, clean=None):
     from .extraction.transformer.paper import extract_transformer_heads
     from .extraction.transformer.through_ffn import extract_transformer
     H = _transformer_heads(args)
@@ -326,7 +328,7 @@ def _run_transformer(oracle, target, args, progress):
         return extract_transformer_heads(oracle, **check_kw(args), heads=H, max_heads=args.max_heads, rng=rng,
                                          progress=progress)
     return _kink_check(extract_transformer(oracle, **check_kw(args), bias=target.bias, rng=rng, progress=progress),
-                       target, args)
+                       target, args, clean)
 
 
 METHODS["transformer-paper"] = Method(
@@ -339,7 +341,7 @@ METHODS["transformer"] = Method(
     "scores, d^2 + d two-token queries for W and c")
 
 
-def _run_ffn(oracle, target, args, progress):
+def _run_ffn(oracle, target, args, progress, clean=None):
     from .extraction.transformer.ffn import extract_ffn
     return extract_ffn(oracle, **check_kw(args), bias=target.bias, rng=np.random.default_rng(args.seed),
                        progress=progress)

@@ -50,6 +50,21 @@ def cmd_targets(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # the reader of stdout went away (``headthief targets | head -1``): not an error of ours; stdout is
+        # pointed at /dev/null so that Python's own flush at exit does not complain a second time
+        import os
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+def _dispatch(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "extract":
         return cmd_extract(args)

@@ -34,6 +34,9 @@ def run(args) -> int:
     from ..reproduce.engine import run_sweep
     from .reproduce import progress_bar
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"headthief: --out {out}: is a file; give a directory (it is made when missing)", file=sys.stderr)
+        return 2
     try:
         tasks = audit_tasks(args.target, methods=args.methods, names=args.defences)
         bar, cb = progress_bar(args.quiet, "audit cells")
@@ -66,7 +69,8 @@ def run(args) -> int:
         t.add_column(c, justify="right" if c in ("queries", "W_rel_err", "fidelity") else "left")
     for r in rows:
         t.add_row(*(_fmt(r[c]) for c in cols))
-    Console().print(t)
+    # piped to a file, rich would cut the table at 80 columns: give it the width it needs
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
     print(f"{summary.computed} cells computed, {summary.reused} reused; files: {out / 'audit.md'}, {out / 'audit.json'}"
           + (f", {out / 'audit.png'}" if plotted else ""))
     return 0

@@ -69,30 +69,23 @@ def _num(x):
 
 
 def extract_row(spec: str, method: str, args: argparse.Namespace) -> dict:
-    """Run ``method`` on ``spec`` the way ``headthief extract`` does; return one table row."""
-    from ..methods import METHODS
-    from ..targets import resolve
-    from .extract import add_arguments
-    if method not in METHODS:
-        raise HeadthiefError(f"method {method!r} is not available (known: {', '.join(METHODS)})")
-    argv = ["extract", "--target", spec, "--method", method, "--seed", str(args.seed), "--rank", str(args.rank)]
-    if args.oversample is not None:
-        argv += ["--oversample", str(args.oversample)]
-    parser = argparse.ArgumentParser(prog="headthief extract")
-    add_arguments(parser)
-    ex_args = parser.parse_args(argv[1:])
-    target = resolve(spec)
-    res = METHODS[method].run(target.make_oracle(), target, ex_args, None)
-    errs = res.errors(target.truth)
-    fid = None
-    if args.verify > 0:
-        fid = res.verify(target.make_oracle(), args.verify, rng=np.random.default_rng(10_000 + args.seed))
+    """Run ``method`` on ``spec`` through the extraction pipeline (what ``headthief extract`` runs, the
+    model check included); return one table row. A run that did not finish raises its typed error."""
+    from ..pipeline import SETTING_METHODS, extract
+    opts = {"seed": args.seed, "verify": args.verify}
+    if method in SETTING_METHODS["rank"]:
+        opts["rank"] = str(args.rank)
+    if args.oversample is not None and method in SETTING_METHODS["oversample"]:
+        opts["oversample"] = args.oversample
+    rep = extract(spec, method, **opts)
+    row = rep.row
     return {
-        "target": spec, "method": method, "layer": target.info.get("layer"), "head": target.info.get("head"),
-        "rank": res.rank, "queries": res.queries,
-        **{k: _num(errs.get(k)) for k in ("W_rel_err", "c_rel_err", "v_rel_err", "beta_abs_err")},
-        "fidelity_max_rel_err": _num(fid.max_rel_err) if fid else None,
-        "seconds": round(res.seconds, 3),
+        "target": spec, "method": method, "layer": row.get("target_layer"), "head": row.get("target_head"),
+        "rank": row.get("rank"), "queries": row.get("queries"),
+        **{k: _num(row.get(k)) for k in ("W_rel_err", "c_rel_err", "v_rel_err", "beta_abs_err")},
+        "fidelity_max_rel_err": _num(row.get("fidelity_max_rel_err")),
+        "check": (row.get("model_check") or {}).get("verdict"),
+        "seconds": round(rep.result.seconds, 3),
     }
 
 
@@ -164,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
     if args.method not in METHODS:
         print(f"headthief: unknown method {args.method!r} (known: {', '.join(METHODS)})", file=sys.stderr)
         return 2
+    if args.out:
+        from ..pipeline import check_output_path
+        try:
+            check_output_path(args.out, "--out")
+        except HeadthiefError as e:
+            print(f"headthief: {e}", file=sys.stderr)
+            return 2
     jobs = [(f"minilm:layer={L},head={H}" + (f",readout={args.readout}" if args.readout else ""), args.method)
             for L in layers for H in heads]
     boxes = [] if args.no_blackbox else [(s, m or args.method) for s, m in BLACK_BOXES]

@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
-import numpy as np
 
-from ..errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, NotIdentifiable,
-                      OracleError, SpecError)
-from ..methods import METHODS, build_oracle, input_norm_for
-from ..oracles.base import oracle_stack
-from ..targets import Target, resolve
+from ..methods import METHODS
+from ..pipeline import DEFAULTS as D
 
 
 def add_arguments(e: argparse.ArgumentParser) -> None:
     """The options of ``headthief extract``."""
     e.add_argument("--target", required=True, help="target spec (see `headthief targets`)")
-    e.add_argument("--method", default="exact", help=f"one of: {', '.join(METHODS)}")
+    e.add_argument("--method", default=D.method,
+                   help=f"auto (default: chosen from the target and the answers) or one of: {', '.join(METHODS)}")
     e.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
                    help="API key of an http:// target (default: the HEADTHIEF_API_KEY environment variable)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the extraction's own randomness (default 0)")
-    e.add_argument("--budget", type=int, default=None, help="most queries the oracle may answer")
+    e.add_argument("--seed", type=int, default=D.seed, help="seed of the extraction's own randomness (>= 0; default 0)")
+    e.add_argument("--budget", type=int, default=D.budget,
+                   help="most queries sent to the target in all (one query = one sequence): the extraction, the "
+                        "model check and the verification (default: no limit)")
+    e.add_argument("--blas-threads", dest="blas_threads", type=int, default=D.blas_threads, metavar="N",
+                   help="BLAS threads while extracting (default 1: more gain nothing here and contend with other "
+                        "jobs on a busy machine)")
     e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
     e.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     e.add_argument("--d", type=int, default=None, help="token dimension (py: targets)")
@@ -88,6 +89,10 @@ class _ProgressBar:
             self.task = self.bar.add_task(label, total=total)
             self.bar.start()
 
+    def set_total(self, total: int | None) -> None:
+        if self.bar is not None and total:
+            self.bar.update(self.task, total=total)
+
     def __call__(self, n: int) -> None:
         self.count += n
         if self.bar is not None:
@@ -101,46 +106,6 @@ class _ProgressBar:
 def _fail(code: int, msg: str) -> int:
     print(f"headthief: {msg}", file=sys.stderr)
     return code
-
-
-def _num(x):
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def report(target: Target, method: str, res, fidelity, args) -> dict:
-    """One JSON-able row: what was recovered, the errors where the truth is known, the cost, the check."""
-    from ..models.multihead import MultiHeadAttention
-    if target.truth is not None and isinstance(target.truth, MultiHeadAttention) == hasattr(res, "V"):
-        errs = res.errors(target.truth)
-    else:
-        errs = {"W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
-    per_head = errs.pop("per_head", None)
-    mc = res.check
-    out = {
-        "target": target.spec, "method": method, "d": res.d, "rank": res.rank, "queries": res.queries,
-        **({"heads": res.heads} if hasattr(res, "heads") else {}),
-        **{k: _num(v) if isinstance(v, float) else v for k, v in errs.items()},
-        "fidelity_max_rel_err": _num(fidelity.max_rel_err) if fidelity else None,
-        "verify_queries": fidelity.queries if fidelity else 0,
-        "check_queries": mc.check_queries if mc is not None else 0,
-        "queries_fresh": res.diagnostics.get("queries_fresh"),
-        "queries_replayed": res.diagnostics.get("queries_replayed"),
-        "oracle_calls": res.diagnostics.get("oracle_calls"),
-        "seconds": round(res.seconds, 4),
-        "oracle_seconds": round(float(res.diagnostics.get("oracle_seconds", 0.0)), 4),
-        "model_check": mc.as_dict() if mc is not None else None,
-        "seed": args.seed,
-    }
-    if per_head is not None:
-        out["per_head"] = per_head
-    for k, v in res.diagnostics.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out.setdefault(k, _num(v) if isinstance(v, float) else v)
-    out.update({f"target_{k}": v for k, v in target.info.items()})
-    return out
 
 
 # The results table's first block: what was extracted, what it cost, how close it is.
@@ -207,76 +172,20 @@ def _restore_signal_handlers(old) -> None:
         signal.signal(sig, h)
 
 
-# The settings that change which queries a run asks: a journal resumes only a run with the same ones.
-FINGERPRINT = ("d", "bias", "probes", "scales", "rank", "oversample", "solver", "measurements", "oversampling",
-               "noise", "noise_mode", "sign_only", "sphere_queries", "eps_W", "W_bound", "mu", "extra_probes",
-               "input_norm", "heads", "max_heads", "subspace_bases")
-
-
-def fingerprint(args) -> dict:
-    fp = {"target": args.target, "method": args.method, "seed": args.seed}
-    for k in FINGERPRINT:
-        if hasattr(args, k):
-            fp[k] = getattr(args, k)
-    return fp
-
-
-def open_journal(args):
-    """The journal the flags ask for (None without --journal); refuses another command's journal."""
-    if not args.journal:
-        return None
-    from ..oracles.journal import Journal
-    j = Journal(args.journal, fingerprint(args))
-    if j.torn:
-        print(f"headthief: journal {args.journal}: the last write was torn by a crash ({j.torn} bytes of an "
-              "incomplete record); SQLite dropped it, the run asks that batch again", file=sys.stderr)
-    return j
-
-
 def cmd_extract(args) -> int:
-    from ..errors import ModelMismatch
-    from ..oracles.journal import JournalError
-    if args.method not in METHODS:
-        return _fail(2, f"unknown method {args.method!r} (known: {', '.join(METHODS)})")
-    if args.budget is not None and args.budget < 0:
-        return _fail(2, f"--budget must be >= 0, got {args.budget}")
-    if args.verify < 0:
-        return _fail(2, f"--verify must be >= 0, got {args.verify}")
+    """``headthief extract``: the pipeline (:func:`headthief.pipeline.extract`) with a progress bar, the
+    row printed as a table or one JSON object, and the exit code of how it ended."""
+    from ..pipeline import Options, extract
     try:
-        target = resolve(args.target, d=args.d, bias=args.bias, api_key=getattr(args, "api_key", None))
-        journal = open_journal(args)
-    except JournalError as e:
+        opts = Options.from_namespace(args)
+    except TypeError as e:       # pragma: no cover - a parser/Options mismatch is a bug
         return _fail(2, str(e))
-    except SpecError as e:
-        return _fail(2, str(e))
-    method = METHODS[args.method]
-    oracle_kw = {"budget": args.budget, "transcript": journal}
-    kept = f"; the answers paid for are in the journal {args.journal}" if journal is not None else ""
+    kw = {f: getattr(opts, f) for f in opts.__dataclass_fields__ if f not in ("target", "method")}
+    kept = f"; the answers paid for are in the journal {args.journal}" if args.journal else ""
     bar = _ProgressBar(None, f"{args.method} {args.target}", enabled=not args.quiet)
     old_handlers = _install_signal_handlers()
-    oracle = None
     try:
-        oracle = build_oracle(target, args, **oracle_kw)
-        total = method.expected(target, args)
-        if bar.bar is not None and total:
-            bar.bar.update(bar.task, total=total)
-        res = method.run(oracle, target, args, bar)
-    except BudgetExceeded as e:
-        return _fail(3, str(e) + kept)
-    except ModelMismatch as e:
-        bar.close()
-        res = getattr(e, "result", None)
-        if res is not None and args.json:
-            print(json.dumps(report(target, args.method, res, None, args)))
-        elif args.json:
-            print(json.dumps({"target": target.spec, "method": args.method, "model_check": {
-                "verdict": "fail", "check": e.check, "figure": _num(e.figure), "threshold": _num(e.threshold),
-                "detail": str(e)}, "check_queries": oracle.queries if oracle is not None else None}))
-        return _fail(5, str(e) + kept)
-    except (NotIdentifiable, InvalidQuery, SpecError, ValueError) as e:
-        return _fail(2, str(e))
-    except (OracleError, ConvergenceError, JournalError) as e:
-        return _fail(4, str(e))
+        rep = extract(args.target, args.method, progress=bar, raise_errors=False, **kw)
     except KeyboardInterrupt:
         return _fail(130, "interrupted (Ctrl-C)" + kept + ("; re-run the same command to resume" if kept else ""))
     except Terminated as e:
@@ -285,37 +194,16 @@ def cmd_extract(args) -> int:
     finally:
         bar.close()
         _restore_signal_handlers(old_handlers)
-        if journal is not None:
-            journal.close()
-    if res.diagnostics.get("warning"):
-        print(f"headthief: warning: {res.diagnostics['warning']}", file=sys.stderr)
-    fidelity = None
-    mc = res.check
-    clean = len(oracle_stack(oracle)) == 1
-    if mc is not None and mc.figure is not None and clean:
-        from ..extraction.result import Fidelity
-        fidelity = Fidelity(n=args.verify, queries=mc.verify_queries, max_abs_err=float("nan"), rms_true=float("nan"),
-                            max_rel_err=mc.figure)
-    elif args.verify > 0:
-        try:
-            # against the clean target (no threat-model wrapper), tokens scaled to the input-norm bound
-            fidelity = res.verify(target.make_oracle(input_norm=input_norm_for(args)), args.verify,
-                                  rng=np.random.default_rng(10_000 + args.seed))
-        except HeadthiefError as e:
-            print(f"headthief: verification skipped: {e}", file=sys.stderr)
-    if args.save:
-        res.save(args.save)
-    row = report(target, args.method, res, fidelity, args)
-    from ..oracles.http import HTTPOracle
-    inner = oracle_stack(oracle)[-1]
-    if isinstance(inner, HTTPOracle):
-        row["http"] = inner.stats()
-    if journal is not None:
-        row["journal_replayed"] = inner.replayed
-        row["journal_sent"] = inner.fresh
-        row["transcript_replayed"], row["transcript_sent"] = inner.replayed, inner.fresh   # the old names
-    if args.json:
-        print(json.dumps(row))
-    else:
+    for w in rep.warnings:
+        print(f"headthief: warning: {w}", file=sys.stderr)
+    row = dict(rep.row)
+    if args.json:                       # one JSON object, whatever the outcome (the exit code says how it ended)
+        print(json.dumps({**row, "exit": rep.exit_code, "status": rep.status}))
+    elif rep.result is not None:
         print_table(row)
+    if rep.exit_code != 0:
+        msg = rep.error or rep.status
+        if rep.exit_code in (3, 5) and kept:
+            msg += kept
+        return _fail(rep.exit_code, msg)
     return 0

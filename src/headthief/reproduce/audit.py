@@ -1,17 +1,18 @@
 """``headthief audit``: for one target, every applicable method against every defence, through the sweep
-engine. Each cell runs the real ``headthief extract`` command in-process (the same oracle stack, model
-check and cost keys as a user's run) and keeps its JSON row and exit code: queries spent, parameter
-errors, fidelity, and whether the defence stopped or fooled the method."""
+engine. Each cell is one call of the extraction pipeline (:func:`headthief.pipeline.extract`, what
+``headthief extract`` runs: the same oracle stack, model check and cost keys as a user's run) and keeps
+its report row and exit code: queries spent, parameter errors, fidelity, and whether the defence stopped
+or fooled the method."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import SpecError
 from .engine import Task
+from ..pipeline import EXIT_MEANING
 from .tasks import run_extract
 
 VALUE_METHODS = ("exact", "lowrank", "noisy")
@@ -21,7 +22,7 @@ SIGN_METHODS = ("membership",)
 @dataclass(frozen=True)
 class Defence:
     name: str
-    flags: tuple
+    options: tuple          # (name, value) pairs of pipeline options
     sign_only: bool = False
     budget_fraction: float | None = None    # budget = fraction of d^2 (resolved per target)
 
@@ -33,25 +34,20 @@ def defences(d: int) -> list[Defence]:
     out = [Defence("none", ())]
     for mode in ("adversarial", "uniform"):
         for tau in ("1e-6", "1e-4", "1e-2"):
-            out.append(Defence(f"noise {mode} {tau}", ("--noise", tau, "--noise-mode", mode)))
-    out.append(Defence("round:4", ("--noise-mode", "round:4")))
-    out.append(Defence("sign-only", ("--sign-only",), sign_only=True))
-    out.append(Defence("input-norm 1", ("--input-norm", "1")))
-    out.append(Defence(f"budget {d * d // 2}", ("--budget", str(d * d // 2))))
+            out.append(Defence(f"noise {mode} {tau}", (("noise", float(tau)), ("noise_mode", mode))))
+    out.append(Defence("round:4", (("noise_mode", "round:4"),)))
+    out.append(Defence("sign-only", (("sign_only", True),), sign_only=True))
+    out.append(Defence("input-norm 1", (("input_norm", 1.0),)))
+    out.append(Defence(f"budget {d * d // 2}", (("budget", d * d // 2),)))
     return out
 
 
-EXIT_MEANING = {0: "extracted", 2: "refused / not identifiable", 3: "budget spent", 4: "did not converge",
-                5: "model check failed"}
-
-
 def audit_cell(p: dict, rng: np.random.Generator) -> dict:
-    """One (method, defence) cell: ``headthief extract ... --json`` in this process."""
+    """One (method, defence) cell: one pipeline call, as ``headthief extract ... --json`` runs it."""
     code, row, msg = run_extract(p, rng)
     spent = row.get("queries")
-    if spent is None and code == 3:      # BudgetExceeded: stderr says how many were spent
-        m = re.search(r"(\d[\d,]*) quer", " ".join(msg))
-        spent = int(m.group(1).replace(",", "")) if m else None
+    if spent is None:           # ended early (the budget ran out): what was sent
+        spent = row.get("queries_sent")
     mc = row.get("model_check") or {}
     return {"exit": code, "outcome": EXIT_MEANING.get(code, f"exit {code}"), "queries": spent,
             "check_queries": row.get("check_queries"),
@@ -65,15 +61,9 @@ def audit_prada_cell(p: dict, rng: np.random.Generator) -> dict:
     distances of each new query to the client's earlier ones, tested for normality with Shapiro-Wilk),
     in flag mode: the run goes on and the query count at which it was first flagged is kept. The detector
     is the server's own class, here watching the oracle in this process."""
-    import argparse
-
-    from ..cli.extract import add_arguments
-    from ..errors import HeadthiefError
-    from ..extraction.result import rel_err
-    from ..methods import METHODS, build_oracle
     from ..oracles.base import WrappedOracle
+    from ..pipeline import extract
     from ..server.defences import Prada
-    from ..targets import resolve
 
     class Watched(WrappedOracle):
         def __init__(self, inner, detector):
@@ -84,24 +74,13 @@ def audit_prada_cell(p: dict, rng: np.random.Generator) -> dict:
             self.detector.observe(X)
             return y
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--target", p["target"], "--method", p["method"], "--seed",
-                              str(int(rng.integers(2 ** 31 - 1))), *p.get("flags", [])])
-    target = resolve(p["target"])
     detector = Prada()
-    oracle = Watched(build_oracle(target, args), detector)      # the oracle stack the CLI builds
-    out = {"flagged_at": None, "queries": None, "W_rel_err": None, "outcome": "extracted", "exit": 0}
-    try:
-        res = METHODS[p["method"]].run(oracle, target, args, None)
-        out["queries"] = res.queries
-        if res.check is not None:
-            out["check"], out["fidelity"] = res.check.verdict, res.check.figure
-        if getattr(res, "W", None) is not None and target.truth is not None:
-            out["W_rel_err"] = rel_err(res.W, target.truth.dense_W() if hasattr(target.truth, "dense_W") else target.truth.W)
-    except HeadthiefError as exc:
-        out["outcome"] = f"{type(exc).__name__}"
-        out["exit"] = 1
+    rep = extract(p["target"], p["method"], seed=int(rng.integers(2 ** 31 - 1)), raise_errors=False,
+                  wrap=lambda o: Watched(o, detector), **dict(p.get("options", {})))
+    mc = rep.row.get("model_check") or {}
+    out = {"flagged_at": None, "queries": rep.row.get("queries", rep.row.get("queries_sent")),
+           "W_rel_err": rep.row.get("W_rel_err"), "check": mc.get("verdict"), "fidelity": mc.get("figure"),
+           "outcome": "extracted" if rep.ok else type(rep.exception).__name__, "exit": rep.exit_code}
     out["flagged_at"] = detector.flagged_at
     out["seen"] = detector.seen
     out["last_W"] = detector.last_W
@@ -128,13 +107,14 @@ def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str]
     if not names or "prada" in names:
         for m in meths:
             tasks.append(Task("audit", f"{spec}|{m}|prada", "headthief.reproduce.audit:audit_prada_cell",
-                              {"target": spec, "method": m, "defence": "prada", "flags": []}))
+                              {"target": spec, "method": m, "defence": "prada", "options": []}))
     for dfc in ds:
         for m in meths:
             if (m in SIGN_METHODS) != dfc.sign_only:
                 continue      # sign-only answers only suit the sign-only methods, and vice versa
             tasks.append(Task("audit", f"{spec}|{m}|{dfc.name}", "headthief.reproduce.audit:audit_cell",
-                              {"target": spec, "method": m, "defence": dfc.name, "flags": list(dfc.flags)}))
+                              {"target": spec, "method": m, "defence": dfc.name,
+                               "options": [list(kv) for kv in dfc.options]}))
     return tasks
 
 

@@ -255,15 +255,15 @@ def _tb1_judge(recs):
 def _s41_tasks(quick):
     seeds = range(1, 3 if quick else 11)
     d, m = 16, 32
-    out = [Task("section-4.1", f"paper,d={d},m={m},seed={s}", T + "cli_extract",
+    out = [Task("section-4.1", f"paper,d={d},m={m},seed={s}", T + "extract_task",
                 {"target": f"transformer:d={d},m={m},seed={s}", "method": "transformer-paper",
-                 "flags": ["--verify", "1000" if quick else "10000"], "d": d}) for s in seeds]
-    out += [Task("section-4.1", f"ffn,d=32,m={mm},seed={s}", T + "cli_extract",
-                 {"target": f"ffn:d=32,m={mm},seed={s}", "method": "ffn", "flags": ["--verify", "1000"], "m": mm})
+                 "options": {"verify": 1000 if quick else 10000}, "d": d}) for s in seeds]
+    out += [Task("section-4.1", f"ffn,d=32,m={mm},seed={s}", T + "extract_task",
+                 {"target": f"ffn:d=32,m={mm},seed={s}", "method": "ffn", "options": {"verify": 1000}, "m": mm})
             for mm in (16, 64) for s in seeds]
-    out += [Task("section-4.1", f"transformer-bias,d={d},m={m},seed={s}", T + "cli_extract",
+    out += [Task("section-4.1", f"transformer-bias,d={d},m={m},seed={s}", T + "extract_task",
                  {"target": f"transformer:d={d},m={m},seed={s},bias=1", "method": "transformer",
-                  "flags": ["--verify", "1000"], "d": d}) for s in seeds]
+                  "options": {"verify": 1000}, "d": d}) for s in seeds]
     return out
 
 

@@ -230,25 +230,17 @@ def membership_vs_queries(p: dict, rng: np.random.Generator) -> dict:
 
 
 def run_extract(p: dict, rng: np.random.Generator) -> tuple[int, dict, list[str]]:
-    """``headthief extract --target T --method M --json --quiet --seed S FLAGS`` in this process (the same
-    oracle stack, model check and cost keys as a user's run). Returns (exit code, the JSON row or ``{}``,
-    the stderr lines)."""
-    import contextlib
-    import io
-    import json as _json
-
-    from ..cli import main
-    argv = ["extract", "--target", p["target"], "--method", p["method"], "--json", "--quiet",
-            "--seed", str(_seed(rng)), *p.get("flags", [])]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    lines = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith("{")]
-    return code, (_json.loads(lines[-1]) if lines else {}), err.getvalue().strip().splitlines()
+    """One extraction through the library pipeline (:func:`headthief.pipeline.extract`: the oracle stack,
+    model check, verification and cost keys of ``headthief extract``), with the settings ``p["options"]``
+    and the seed drawn from ``rng``. Returns (exit code, the report row, the error and warning lines)."""
+    from ..pipeline import extract
+    opts = dict(p.get("options", {}))
+    rep = extract(p["target"], p["method"], seed=_seed(rng), raise_errors=False, **opts)
+    return rep.exit_code, dict(rep.row), [*rep.warnings, *([rep.error] if rep.error else [])]
 
 
-def cli_extract(p: dict, rng: np.random.Generator) -> dict:
-    """The JSON row's figures of :func:`run_extract`. Used where the CLI's own verification is the
+def extract_task(p: dict, rng: np.random.Generator) -> dict:
+    """The report row's figures of :func:`run_extract`. Used where the pipeline's own verification is the
     measurement (Section 4.1: fidelity on random sequences and next to every kink)."""
     code, row, msg = run_extract(p, rng)
     keep = ("queries", "attention_queries", "ffn_queries", "W_rel_err", "v_rel_err", "fidelity_max_rel_err",

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import SpecError
 from ..models.attention import random_head
 from ..oracles.base import CallableOracle, ModelOracle
-from .base import TARGET_KINDS, Target, TargetKind, _check_keys, _float, _int, parse_options, register
+from .base import TARGET_KINDS, Target, TargetKind, _check_keys, _float, _int, check_size, parse_options, register
 
 
 def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
@@ -36,6 +36,7 @@ def _build_random(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Targe
     dtype = opts.get("dtype", "float64")
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    check_size(spec, d * d if rank == d else 2 * d * rank + d)
     norms = {k: _float(opts, k, None) for k in ("W_norm", "v_norm", "v_min") if k in opts}
     for k, x in norms.items():
         if not (np.isfinite(x) and x >= 0):
@@ -93,6 +94,7 @@ def _build_multihead(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Ta
     if sub not in (None, "orthogonal"):
         raise SpecError(f"subspaces={sub!r}: use subspaces=orthogonal (or leave it out)")
     identical = opts.get("identical", "0") in ("1", "true", "yes")
+    check_size(spec, H * d * d)
     try:
         model = random_multihead(d, H, rng=seed, rank=rank, bias=bias, subspaces=sub, identical=identical,
                                  dtype=np.float32 if dtype == "float32" else np.float64)
@@ -122,6 +124,7 @@ def _build_ffn(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     dtype = opts.get("dtype", "float64")
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    check_size(spec, 2 * d * m)
     model = random_ffn(d, m, seed, bias=bias, sparse=sparse, dtype=np.float32 if dtype == "float32" else np.float64)
     return Target(spec=spec, d=d, bias=bias, truth=model, make_oracle=lambda **kw: ModelOracle(model, **kw),
                   info={"dtype": dtype, "m": m, **({"sparse": sparse} if sparse else {})})

@@ -51,8 +51,26 @@ def parse_options(text: str) -> dict[str, str]:
         if "=" not in part:
             raise SpecError(f"target option {part!r} is not key=value")
         k, v = part.split("=", 1)
-        opts[k.strip()] = v.strip()
+        k = k.strip()
+        if k in opts:
+            raise SpecError(f"target option {k}= is given twice ({k}={opts[k]} and {k}={v.strip()})")
+        opts[k] = v.strip()
     return opts
+
+
+def check_size(spec: str, floats: int) -> None:
+    """Refuse a target whose parameters (``floats`` float64 numbers, a few working copies) would not fit
+    in half of this machine's memory, before anything is allocated (instead of a MemoryError, or the
+    kernel's OOM killer, half-way through)."""
+    import os
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: no guard
+        return
+    need = 3 * 8 * int(floats)
+    if need > total // 2:
+        raise SpecError(f"{spec}: its parameters need about {need / 2**30:.1f} GiB of memory, more than half of "
+                        f"this machine's {total / 2**30:.1f} GiB; choose a smaller size")
 
 
 def _int(opts, key, default=None, *, lo=None):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError
-from .base import Target, TargetKind, _check_keys, _int, register
+from .base import Target, TargetKind, _check_keys, _int, check_size, register
 
 
 def _flag(opts: dict[str, str], key: str) -> bool:
@@ -41,6 +41,7 @@ def _build_transformer(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> 
     dtype = opts.get("dtype", "float64")
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    check_size(spec, H * d * d + 2 * d * m)
     model = random_transformer(d, m, seed, bias=bias, heads=H, dtype=np.float32 if dtype == "float32" else np.float64)
     return Target(spec=spec, d=d, bias=bias, truth=model, make_oracle=lambda **kw: ModelOracle(model, **kw),
                   info={"dtype": dtype, "m": m, "heads": H, "ffn_bias": bias, "true_rank": d})
