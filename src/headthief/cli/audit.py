@@ -8,17 +8,18 @@ from pathlib import Path
 
 from ..errors import HeadthiefError
 from .reproduce import add_sweep_arguments
+from .target_options import add_target_arguments
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target", required=True, help="target spec (see headthief targets)")
+    add_target_arguments(p)
     p.add_argument("--defences", action="append", metavar="NAME",
                    help="only these defences (repeat; names as in the table, e.g. 'none', 'round:4')")
     p.add_argument("--methods", action="append", metavar="M", help="only these methods (repeat)")
     p.add_argument("--out", default="audit-out", help="output directory (default audit-out/)")
     add_sweep_arguments(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON on stdout")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _fmt(x):
@@ -38,7 +39,10 @@ def run(args) -> int:
         print(f"headthief: --out {out}: is a file; give a directory (it is made when missing)", file=sys.stderr)
         return 2
     try:
-        tasks = audit_tasks(args.target, methods=args.methods, names=args.defences)
+        if args.api_key:            # the cells read the key from the environment (never stored in a task)
+            import os
+            os.environ["HEADTHIEF_API_KEY"] = args.api_key
+        tasks = audit_tasks(args.target, methods=args.methods, names=args.defences, d=args.d, bias=args.bias)
         bar, cb = progress_bar(args.quiet, "audit cells")
         if bar is not None:
             bar.start()

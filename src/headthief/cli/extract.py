@@ -9,15 +9,14 @@ import sys
 
 from ..methods import METHODS
 from ..pipeline import DEFAULTS as D
+from .target_options import add_target_arguments
 
 
 def add_arguments(e: argparse.ArgumentParser) -> None:
     """The options of ``headthief extract``."""
-    e.add_argument("--target", required=True, help="target spec (see `headthief targets`)")
+    add_target_arguments(e)
     e.add_argument("--method", default=D.method,
                    help=f"auto (default: chosen from the target and the answers) or one of: {', '.join(METHODS)}")
-    e.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
-                   help="API key of an http:// target (default: the HEADTHIEF_API_KEY environment variable)")
     e.add_argument("--seed", type=int, default=D.seed, help="seed of the extraction's own randomness (>= 0; default 0)")
     e.add_argument("--budget", type=int, default=D.budget,
                    help="most queries sent to the target in all (one query = one sequence): the extraction, the "
@@ -27,8 +26,6 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                         "jobs on a busy machine)")
     e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
     e.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    e.add_argument("--d", type=int, default=None, help="token dimension (py: targets)")
-    e.add_argument("--bias", action="store_true", help="the py: target may have score/output biases")
     e.add_argument("--probes", choices=["basis", "gaussian"], default="basis",
                    help="probe design for exact: the paper's e_l / e_l+e_p probes, or Gaussian probes")
     e.add_argument("--scales", choices=["adaptive", "unit"], default="adaptive",

@@ -87,9 +87,16 @@ def audit_prada_cell(p: dict, rng: np.random.Generator) -> dict:
     return out
 
 
-def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str] | None = None) -> list[Task]:
+def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str] | None = None,
+                d: int | None = None, bias: bool = False) -> list[Task]:
+    """The audit's cells for ``spec`` (``d``, ``bias``: the target options of a ``py:`` target)."""
+    from ..pipeline import check_d
     from ..targets import resolve
-    target = resolve(spec)
+    target = resolve(spec, d=d, bias=bias)
+    if d is not None:
+        from ..pipeline import Options
+        check_d(target, Options(d=d))
+    base = ([["d", d]] if d is not None else []) + ([["bias", True]] if bias else [])
     d = target.d
     ds = defences(d)
     if names:
@@ -107,14 +114,14 @@ def audit_tasks(spec: str, *, methods: list[str] | None = None, names: list[str]
     if not names or "prada" in names:
         for m in meths:
             tasks.append(Task("audit", f"{spec}|{m}|prada", "headthief.reproduce.audit:audit_prada_cell",
-                              {"target": spec, "method": m, "defence": "prada", "options": []}))
+                              {"target": spec, "method": m, "defence": "prada", "options": list(base)}))
     for dfc in ds:
         for m in meths:
             if (m in SIGN_METHODS) != dfc.sign_only:
                 continue      # sign-only answers only suit the sign-only methods, and vice versa
             tasks.append(Task("audit", f"{spec}|{m}|{dfc.name}", "headthief.reproduce.audit:audit_cell",
                               {"target": spec, "method": m, "defence": dfc.name,
-                               "options": [list(kv) for kv in dfc.options]}))
+                               "options": base + [list(kv) for kv in dfc.options]}))
     return tasks
 
 
@@ -158,7 +165,8 @@ def draw_audit(rows: list[dict], path) -> bool:
     ax.set_ylabel("W relative error")
     ax.set_title("what each defence costs the attacker (marker = method)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
