@@ -1,0 +1,65 @@
+"""The target options every command that takes a target shares: ``--target``, ``--d``, ``--bias``, ``--api-key``.
+
+``extract``, ``serve``, ``audit`` and ``bench`` add them with :func:`add_target_arguments` and turn them
+into a :class:`~headthief.targets.Target` with :func:`target_from_args`, so ``--d`` means the same
+everywhere (and ``serve --d 64`` is not an abbreviation of ``--db`` or ``--defence``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import SpecError
+
+API_KEY_ENV = "HEADTHIEF_API_KEY"
+
+
+def _dimension(text: str) -> int:
+    try:
+        d = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--d must be a whole number (the token dimension), got {text!r}") from None
+    if d < 1:
+        raise argparse.ArgumentTypeError(f"--d must be >= 1, got {d}")
+    return d
+
+
+def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = True, api_key: bool = True) -> None:
+    """Add ``--target SPEC``, ``--d D``, ``--bias`` and (unless ``api_key=False``) ``--api-key KEY``.
+
+    Args:
+        parser: the command's parser.
+        required: whether ``--target`` must be given.
+        api_key: add ``--api-key`` (for commands that can reach an ``http://`` target).
+    """
+    parser.add_argument("--target", required=required, metavar="SPEC",
+                        help="the target (see `headthief targets`): random:d=64,seed=1, py:model.py:f, "
+                             "http://HOST:PORT, ...")
+    parser.add_argument("--d", type=_dimension, default=None, metavar="D",
+                        help="token dimension of a py: target (required for py:); for a target that fixes d "
+                             "itself it must agree")
+    parser.add_argument("--bias", action="store_true",
+                        help="the py: target may have score/output biases (c, beta)")
+    if api_key:
+        parser.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
+                            help=f"API key of an http:// target (default: the {API_KEY_ENV} environment variable)")
+
+
+def target_from_args(args: argparse.Namespace):
+    """The :class:`~headthief.targets.Target` the options name.
+
+    Raises:
+        SpecError: a malformed spec, a ``py:`` target without ``--d``, or ``--d`` that disagrees with the
+            dimension the target fixes itself (``--d 16`` on ``random:d=8``).
+    """
+    from ..targets import resolve
+    if not getattr(args, "target", None):
+        raise SpecError("no target: give --target SPEC (see `headthief targets`)")
+    d = getattr(args, "d", None)
+    api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    target = resolve(args.target, d=d, bias=bool(getattr(args, "bias", False)), api_key=api_key)
+    if d is not None and int(target.d) != int(d):
+        raise SpecError(f"--d {d} disagrees with the target {args.target}, whose tokens have d = {target.d}; "
+                        f"leave --d out (it is for py: targets) or make it {target.d}")
+    return target
