@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     boxes = [] if args.no_blackbox else [(s, m or args.method) for s, m in BLACK_BOXES]
     if boxes and not _torch_available():
         print("headthief: torch/transformers are not installed; skipping the black-box rows "
-              "(pip install 'headthief[torch]')", file=sys.stderr)
+              "(pip install -e '.[torch]' in the headthief clone, or bash scripts/setup.sh)", file=sys.stderr)
         boxes = []
     from ..reproduce.engine import Task, run_sweep
     keep = {k: getattr(args, k) for k in ("seed", "rank", "oversample", "verify")}

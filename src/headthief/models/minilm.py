@@ -139,7 +139,7 @@ def load_attention_weights(layer: int) -> BertAttentionWeights:
     try:
         from safetensors import safe_open
     except ImportError as e:
-        raise ModuleNotFoundError("reading the MiniLM weights needs safetensors: pip install 'headthief[real]'",
+        raise ModuleNotFoundError("reading the MiniLM weights needs safetensors: pip install -e '.[real]' in the headthief clone, or bash scripts/setup.sh",
                                   name="safetensors") from e
     path = minilm_weights_path()
     pre = f"encoder.layer.{int(layer)}.attention."

@@ -59,7 +59,7 @@ from .attention import AttentionHead
 from .multihead import MultiHeadAttention
 from .minilm import D_HEAD, D_MODEL, N_HEADS, _check_layer_head, minilm_dir, readout_vector
 
-TORCH_HINT = "pip install 'headthief[torch]' (torch==2.13.0, the CPU build, and transformers>=5)"
+TORCH_HINT = "pip install -e '.[torch]' in the headthief clone, or bash scripts/setup.sh (torch==2.13.0, the CPU build, and transformers>=5)"
 
 
 def import_torch():

@@ -206,7 +206,7 @@ def _run_dask(todo: list[Task], scheduler: str, workers: int | None, finish) -> 
         from distributed import Client, LocalCluster, as_completed
     except ImportError as exc:
         raise SpecError("--scheduler processes / tcp:// needs dask.distributed: "
-                        "pip install 'headthief[sweep]' (or use --scheduler serial)") from exc
+                        "pip install -e '.[sweep]' in the headthief clone, or bash scripts/setup.sh (or use --scheduler serial)") from exc
     cluster = None
     if scheduler == "processes":
         n = workers or max(1, min(2, os.cpu_count() or 1))

@@ -75,7 +75,7 @@ def solve_nuclear(
     try:
         import cvxpy as cp
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the convex solver needs cvxpy: pip install 'headthief[convex]' "
+        raise ImportError("the convex solver needs cvxpy: pip install -e '.[convex]' in the headthief clone, or bash scripts/setup.sh "
                           "(or use solver='als')") from e
     if solver is None:
         solver = "CLARABEL" if "CLARABEL" in cp.installed_solvers() else "SCS"
