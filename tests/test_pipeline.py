@@ -171,3 +171,13 @@ def test_import_headthief_imports_no_optional_framework():
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_journal_replay_counts_the_method_queries_only(tmp_path):
+    j = str(tmp_path / "j.db")
+    first = ht.extract("random:d=8,seed=1", method="exact", journal=j)
+    again = ht.extract("random:d=8,seed=1", method="exact", journal=j)
+    assert first.row["queries_fresh"] == first.row["queries"] == 72 and first.row["queries_replayed"] == 0
+    assert again.row["queries"] == 72
+    assert again.row["queries_replayed"] == 72 and again.row["queries_fresh"] == 0
+    assert np.array_equal(first.result.W, again.result.W)
