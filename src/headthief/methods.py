@@ -288,9 +288,13 @@ def _kink_check(res, target, args, clean=None):
     from .extraction.transformer.recovered import verify_transformer
     if args.verify <= 0 or res.predicts != "transformer" or res.ffn is None:
         return res
+    from .errors import BudgetExceeded
     oracle = clean() if clean is not None else target.make_oracle(input_norm=input_norm_for(args))
-    f = verify_transformer(res, oracle, n=0, per_kink=2,
-                           rng=np.random.default_rng(20_000 + int(args.seed)))
+    try:
+        f = verify_transformer(res, oracle, n=0, per_kink=2, rng=np.random.default_rng(20_000 + int(args.seed)))
+    except BudgetExceeded as e:       # the budget is spent: the finished result is kept, the kinks unchecked
+        return dataclasses.replace(res, diagnostics={**res.diagnostics, "fidelity_kinks_max_rel_err": None,
+                                                     "warning": f"fidelity next to the kinks not measured: {e}"})
     diag = {**res.diagnostics, "fidelity_kinks_max_rel_err": f.kinks.max_rel_err, "kink_sequences": f.kinks.n,
             "kink_verify_queries": f.kinks.queries}
     res = dataclasses.replace(res, diagnostics=diag)

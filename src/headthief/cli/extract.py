@@ -23,7 +23,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                         "model check and the verification (default: no limit)")
     e.add_argument("--blas-threads", dest="blas_threads", type=int, default=D.blas_threads, metavar="N",
                    help="BLAS threads while extracting (default 1: more gain nothing here and contend with other "
-                        "jobs on a busy machine)")
+                        "jobs on a busy machine; 0 leaves BLAS's own setting)")
     e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
     e.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     e.add_argument("--probes", choices=["basis", "gaussian"], default="basis",
@@ -174,7 +174,7 @@ def cmd_extract(args) -> int:
     row printed as a table or one JSON object, and the exit code of how it ended."""
     from ..pipeline import Options, extract
     try:
-        opts = Options.from_namespace(args)
+        opts = Options.from_namespace(args, **({"blas_threads": None} if args.blas_threads == 0 else {}))
     except TypeError as e:       # pragma: no cover - a parser/Options mismatch is a bug
         return _fail(2, str(e))
     kw = {f: getattr(opts, f) for f in opts.__dataclass_fields__ if f not in ("target", "method")}
