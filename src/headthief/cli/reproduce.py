@@ -70,5 +70,30 @@ def run(args) -> int:
         print(f"{res.computed} tasks computed, {res.reused} reused, {res.failed} failed in {res.seconds:.0f} s")
         for name, v in res.verdicts.items():
             print(f"  {name:<18} {v}")
+        if "robustness" in res.verdicts:
+            print_robustness(res.files["results.json"])
         print(f"report: {res.files['report.md']}  {res.files['report.html']}")
     return 0
+
+
+def print_robustness(results_json) -> None:
+    """The robustness experiment's success-rate table on stdout, plain text at full width (not cut to the
+    terminal), then its failure messages grouped per row and its caveat."""
+    from ..reproduce.claims import ROBUST_COLUMNS
+    from ..reproduce.report import text_table
+    data = json.loads(open(results_json).read())
+    exp = next((e for e in data["experiments"] if e["name"] == "robustness"), None)
+    if exp is None or not exp["table"]:
+        return
+    rows = exp["table"]
+    print()
+    print(f"robustness: {exp['verdict']}")
+    print(text_table(rows, [c for c in ROBUST_COLUMNS if c != "failures"]))
+    failing = [r for r in rows if r.get("failures", "-") != "-"]
+    if failing:
+        print("failures:")
+        for r in failing:
+            print(f"  {r['method']} {r['target']} {r['dtype']}: {r['failures']}")
+    if exp.get("caveat"):
+        print(f"caveat: {exp['caveat']}")
+    print()

@@ -35,6 +35,8 @@ def draw(name: str, plot: dict, out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    if plot["kind"] == "bars":
+        return _draw_bars(name, plot, out, plt)
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for label, pts in plot["series"].items():
         pts = [p for p in pts if p[1] is not None and p[1] > 0] if plot.get("logy") else pts
@@ -59,6 +61,42 @@ def draw(name: str, plot: dict, out: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _draw_bars(name: str, plot: dict, out: Path, plt) -> Path:
+    """Horizontal bars, one per label (``series``: {name: [[label, value], ...]}, the first series drawn)."""
+    pts = next(iter(plot["series"].values()), [])
+    labels = [str(p[0]) for p in pts]
+    vals = [float(p[1]) for p in pts]
+    fig, ax = plt.subplots(figsize=(10, 0.8 + 0.24 * max(1, len(pts))))
+    ys = list(range(len(pts)))[::-1]
+    colors = ["#17702a" if v >= plot.get("good", 0.95) else "#b00020" for v in vals]
+    ax.barh(ys, vals, color=colors, height=0.7)
+    ax.set_yticks(ys)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlim(0, 1.0)
+    if plot.get("good") is not None:
+        ax.axvline(plot["good"], color="#555", lw=0.8, ls="--")
+    ax.set_xlabel(plot["x"])
+    ax.set_title(name)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")     # long labels widen the image, never clipped
+    plt.close(fig)
+    return path
+
+
+def text_table(rows: list[dict], cols: list[str] | None = None) -> str:
+    """A plain-text table (columns padded to their widest cell, never cut to a terminal width)."""
+    if not rows:
+        return ""
+    cols = cols or list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[str(c) for c in cols]] + [[str(r.get(c, "")) for c in cols] for r in rows]
+    width = [max(len(line[i]) for line in cells) for i in range(len(cols))]
+    out = ["  ".join(x.ljust(w) for x, w in zip(line, width)).rstrip() for line in cells]
+    out.insert(1, "  ".join("-" * w for w in width))
+    return "\n".join(out)
 
 
 def _md_table(rows: list[dict]) -> str:

@@ -249,3 +249,23 @@ def extract_task(p: dict, rng: np.random.Generator) -> dict:
     return {"exit": code, "message": msg[-1][:300] if msg else "",
             **{k: row.get(k) for k in keep if k in row},
             "check": (row.get("model_check") or {}).get("verdict")}
+
+
+def robustness_run(p: dict, rng: np.random.Generator) -> dict:
+    """One extraction of the robustness experiment: exactly what ``headthief extract --target T --method M
+    --seed S`` runs (:func:`headthief.pipeline.extract`: the model check, the verification on fresh
+    sequences), on the target ``p["target"]`` seeded by ``p["seed"]``, which is also the method's seed.
+
+    Returns how it ended (exit code, the error's first 300 characters), the queries, the fidelity, the
+    parameter errors where the truth is known and the model check's verdict and threshold. No timings, so
+    runs on different schedulers compare bit for bit. (``rng`` is unused: the seeds are fixed per task.)
+    """
+    from ..pipeline import extract
+    rep = extract(p["target"], p["method"], seed=int(p["seed"]), raise_errors=False, **dict(p.get("options", {})))
+    row = rep.row
+    mc = row.get("model_check") or {}
+    return {"exit": rep.exit_code, "status": rep.status, "error": (rep.error or "")[:300],
+            "queries": row.get("queries", row.get("queries_sent")),
+            "fidelity_max_rel_err": row.get("fidelity_max_rel_err"),
+            "W_rel_err": row.get("W_rel_err"), "v_rel_err": row.get("v_rel_err"), "v_dir_err": row.get("v_dir_err"),
+            "check": mc.get("verdict"), "check_name": mc.get("check"), "check_threshold": mc.get("threshold")}
