@@ -28,7 +28,8 @@ def add_key(db, name, *opts) -> str:
 
 
 class Server:
-    """``headthief serve TARGET --db DB`` in a subprocess; ``url`` once it listens. SIGKILL-able, restartable."""
+    """``headthief serve TARGET --db DB`` in a subprocess; ``url`` once it says it is ready. SIGKILL-able,
+    restartable. ``target`` may carry options: ``Server("py:m.py:f --d 8", db)``."""
 
     def __init__(self, target: str, db, *opts: str, workdir=None):
         self.target, self.db, self.opts = target, Path(db), list(opts)
@@ -41,12 +42,13 @@ class Server:
         self.starts += 1
         log = self.workdir / f"serve{self.starts}.err"
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([*HEADTHIEF, "serve", "--target", self.target, "--db", str(self.db),
+        target, *topts = self.target.split(" ")
+        self.proc = subprocess.Popen([*HEADTHIEF, "serve", "--target", target, *topts, "--db", str(self.db),
                                       "--port", str(self.port), *self.opts],
                                      stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text())
+            m = re.search(r"headthief serve: ready on http://127\.0\.0\.1:(\d+)", log.read_text())
             if m:
                 self.port = int(m.group(1))
                 return self

@@ -24,7 +24,7 @@ def api(tmp_path_factory):
     keys = {"free": add_key(db, "free"), "small": add_key(db, "small", "--budget", 10),
             "slow": add_key(db, "slow", "--rate", 1)}
     with Server(f"random:d={D},seed=1", db, "--max-batch", "64", "--max-len", "16",
-                "--max-body-bytes", "200000") as s:
+                "--max-body-bytes", "200000", "--max-json-bytes", "100000") as s:
         with httpx.Client(base_url=s.url, timeout=30) as c:
             yield s, c, keys, db
 
@@ -50,7 +50,8 @@ def test_info_publishes_limits_not_weights(api):
     s, c, keys, db = api
     info = c.get("/v1/info").json()
     assert info["d"] == D and info["max_batch"] == 64 and info["max_len"] == 16 and info["output"] == "value"
-    assert info["idempotency"] == "required" and "application/x-npy" in info["framings"]
+    assert info["idempotency"] == "optional" and "application/x-npy" in info["framings"]
+    assert info["max_body_bytes"] == 200_000 and info["max_json_bytes"] == 100_000
     assert not {"W", "v", "weights"} & set(info)
 
 
@@ -105,9 +106,18 @@ def test_401_without_a_valid_key(api, auth):
     (b"HTSPARSE" + np.asarray([1, 1, 3, 0], "<u8").tobytes(), "application/x-headthief-sparse", 422, "dimension"),
     (b"HTSPARSE" + np.asarray([10**4, 16, D, 0], "<u8").tobytes(), "application/x-headthief-sparse", 422,
      "the most is 25000"),
-    (json.dumps({"sequences": np.zeros((65, 1, D)).tolist()}).encode(), "application/json", 413, "the most is 64"),
-    (json.dumps({"sequences": np.zeros((1, 17, D)).tolist()}).encode(), "application/json", 413, "17 tokens"),
-    (b" " * 200_001, "application/json", 413, "bytes"),
+    (json.dumps({"sequences": np.zeros((65, 1, D)).tolist()}).encode(), "application/json", 422, "the most is 64"),
+    (json.dumps({"sequences": np.zeros((1, 17, D)).tolist()}).encode(), "application/json", 422, "17 tokens"),
+    (b" " * 200_001, "application/x-npy", 413, "the most is 200000"),
+    (b" " * 200_001, "application/json", 413, "the most is 200000"),
+    # JSON over max_json_bytes (100000) is not parsed: beyond the batch limits 422 (counted), else 413
+    (json.dumps({"sequences": np.full((70, 16, D), -1.2345678901234567e-100).tolist()}).encode(), "application/json", 422,
+     "more than 64 sequences (counted without parsing"),
+    (json.dumps({"sequences": np.full((1, 3000, D), 0.1234567).tolist()}).encode(), "application/json", 422,
+     "sequence 0 has more than 16 tokens"),
+    (json.dumps({"sequences": np.full((64, 16, D), -1.2345678901234567e-100).tolist()}).encode(), "application/json", 413,
+     "the most for JSON is 100000"),
+    (b"[" * 50_000 + b"]" * 50_000, "application/json", 422, "nests lists deeper"),
 ])
 def test_malformed_or_oversized_batches_name_the_problem(api, body, ctype, status, words):
     s, c, keys, db = api
@@ -127,12 +137,19 @@ def test_nan_in_a_binary_batch_is_422(api):
     assert r.status_code == 422 and "query 1 has a non-finite entry" in r.json()["detail"]
 
 
-def test_idempotency_key_required_and_semantics(api):
+def test_idempotency_key_semantics(api):
     s, c, keys, db = api
     k = keys["free"]
-    r = c.post("/v1/query", json={"sequences": batch(5).tolist()}, headers={"Authorization": f"Bearer {k}"})
-    assert r.status_code == 400 and "Idempotency-Key" in r.json()["detail"]
     used = lambda: c.get("/v1/usage", headers={"Authorization": f"Bearer {k}"}).json()["used"]  # noqa: E731
+    u0 = used()
+    for i in (1, 2):    # no Idempotency-Key: answered and charged each time it is sent
+        r = c.post("/v1/query", json={"sequences": batch(5).tolist()}, headers={"Authorization": f"Bearer {k}"})
+        assert r.status_code == 200 and r.json()["charged"] == 3 and r.json()["replayed"] is False
+        assert used() == u0 + 3 * i
+    for bad in ("", "x" * 256):
+        r = c.post("/v1/query", json={"sequences": batch(5).tolist()}, headers={"Authorization": f"Bearer {k}",
+                                                                                 "Idempotency-Key": bad})
+        assert r.status_code == 400 and r.json()["error"] == "idempotency_key_invalid", bad
     u0 = used()
     X = batch(6, n=5)
     first = post(c, k, X, "idem-1")
@@ -149,10 +166,11 @@ def test_idempotency_key_required_and_semantics(api):
     again = post(c, k, S, "idem-sparse", sparse=True)                 # sparse framing, the same payload: free
     assert again.status_code == 200 and again.headers["x-headthief-replayed"] == "true" and used() == u0 + 10
     S[4, 1, 3] = 1.0
-    assert post(c, k, S, "idem-sparse", sparse=True).json()["error"] == "idempotency_key_reused"
+    r = post(c, k, S, "idem-sparse", sparse=True)
+    assert r.status_code == 409 and r.json()["error"] == "idempotency_key_reused"
     u0 += 5
     other = post(c, k, batch(7, n=5), "idem-1")                       # the same key, another payload
-    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused" and used() == u0 + 5
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_key_reused" and used() == u0 + 5
     assert post(c, k, X, "idem-2").status_code == 200 and used() == u0 + 10   # a new key is a new charge
 
 

@@ -214,7 +214,18 @@ class CallableOracle(Oracle):
 
     def _query(self, X):
         seqs = list(X) if isinstance(X, np.ndarray) else X
-        return self.fn(seqs)
+        try:
+            return self.fn(seqs)
+        except HeadthiefError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: name what it was given
+            name = getattr(self.fn, "__name__", repr(self.fn))
+            shapes = sorted({tuple(np.shape(x)) for x in seqs})
+            shown = ", ".join(str(s) for s in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+            raise OracleError(
+                f"{name} raised {type(e).__name__}: {e}; it was given a list of {len(seqs)} arrays of shape "
+                f"{shown} (N tokens of dimension d = {self.d}). If {name} expects tokens of another dimension, "
+                f"the token dimension is wrong (--d {self.d} on the command line)") from e
 
 
 class WrappedOracle(Oracle):

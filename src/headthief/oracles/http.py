@@ -4,6 +4,8 @@ It reads ``GET /v1/info`` (the dimension, the batch, sequence-length and body li
 splits every batch into requests within those limits and sends each to ``POST /v1/query`` with an
 ``Idempotency-Key`` derived from the request's content and the run. So:
 
+- the first request (``/v1/info``) waits for a server that is still starting: a refused connection is
+  retried with the same backoff for up to ``connect_wait`` seconds (30 by default);
 - transport errors and 5xx answers are retried with a bounded exponential backoff (no jitter: the
   waits are a function of the attempt number), a 409 (the same request still in flight) after its
   ``Retry-After``, a 429 (rate limit) after its ``Retry-After``; every wait is bounded and running out
@@ -16,8 +18,9 @@ splits every batch into requests within those limits and sends each to ``POST /v
 
 Errors: 401 -> :class:`~headthief.errors.SpecError` (a bad key is bad input); 403 budget ->
 :class:`~headthief.errors.BudgetExceeded` with the server's counts; 400 / 413 / 415 / 422 ->
-:class:`~headthief.errors.InvalidQuery` with the server's message; 403 flagged and anything else ->
-:class:`~headthief.errors.OracleError`.
+:class:`~headthief.errors.InvalidQuery` with the server's message; 409 ``idempotency_key_reused``, 403
+flagged and anything else -> :class:`~headthief.errors.OracleError`. Every request carries an
+``Idempotency-Key`` (the server also answers requests without one, charging each).
 
 The transport is one persistent HTTP/1.1 connection (:mod:`http.client`, TCP_NODELAY) reopened after
 any transport error: per request it costs a fraction of a general-purpose client's time. Framing
@@ -246,6 +249,11 @@ class HTTPOracle(Oracle):
         retries: the most attempts per request after transport errors, 5xx and 409.
         backoff: the first wait after a failed attempt (doubling up to ``max_backoff`` seconds).
         max_wait: the most seconds in all spent waiting out 429s before giving up.
+        connect_wait: the most seconds to wait for the server to answer its first request (``/v1/info``):
+            a refused connection or a 5xx is retried with the same backoff (at most 1 s apart) until
+            then, so ``headthief serve ... &`` followed at once by ``extract`` works. Default 30; the
+            ``HEADTHIEF_CONNECT_WAIT`` environment variable or the target option ``connect_wait=S``
+            changes it.
         client: a transport with ``request(method, path, headers, parts)`` (tests); default one
             keep-alive :mod:`http.client` connection.
         **kw: budget / transcript / input_norm of the oracle itself (input_norm defaults to the server's).
@@ -253,7 +261,7 @@ class HTTPOracle(Oracle):
 
     def __init__(self, url: str, *, api_key: str | None = None, framing: str = "auto", run_id: str | None = None,
                  timeout: float = 120.0, retries: int = 12, backoff: float = 0.05, max_backoff: float = 5.0,
-                 max_wait: float = 600.0, client=None, **kw):
+                 max_wait: float = 600.0, connect_wait: float | None = None, client=None, **kw):
         if framing not in FRAMINGS:
             raise SpecError(f"framing={framing!r}: use {', '.join(FRAMINGS)}")
         if retries < 1:
@@ -265,6 +273,15 @@ class HTTPOracle(Oracle):
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
         self.max_wait = float(max_wait)
+        if connect_wait is None:
+            env = os.environ.get("HEADTHIEF_CONNECT_WAIT")
+            try:
+                connect_wait = float(env) if env else 30.0
+            except ValueError:
+                raise SpecError(f"HEADTHIEF_CONNECT_WAIT={env!r} is not a number of seconds") from None
+        if not (connect_wait >= 0 and connect_wait < float("inf")):
+            raise SpecError(f"connect_wait must be a number of seconds >= 0, got {connect_wait}")
+        self.connect_wait = float(connect_wait)
         self._http = client or _Connection(self.url, timeout)
         self.requests = 0          # HTTP query requests answered 200
         self.retried = 0           # attempts repeated after a transport error, 5xx or 409
@@ -287,6 +304,7 @@ class HTTPOracle(Oracle):
         self.max_batch = int(self.info.get("max_batch", 1024))
         self.max_len = int(self.info.get("max_len", 4096))
         self.max_body = int(self.info.get("max_body_bytes", 2**26))
+        self.max_json = int(self.info.get("max_json_bytes", self.max_body))     # older servers: one limit
         self.run_id = run_id or _journal_run_id(self.transcript) or os.urandom(16).hex()
         # what the answers are, as the server publishes them for this key (its defences may be laid over
         # the server's): the model check and the noisy method read the tolerance from here
@@ -320,8 +338,11 @@ class HTTPOracle(Oracle):
         time.sleep(seconds)
 
     def _get_info(self) -> dict[str, Any]:
+        """``GET /v1/info``, waiting up to ``connect_wait`` seconds for a server that is still starting."""
         last = ""
-        for attempt in range(self.retries):
+        deadline = time.monotonic() + self.connect_wait
+        attempt = 0
+        while True:
             try:
                 r = self._http.request("GET", "/v1/info", {"Accept": JSON})
             except TransportError as e:
@@ -337,8 +358,13 @@ class HTTPOracle(Oracle):
                 if r.status_code < 500:
                     raise OracleError(f"{self.url}/v1/info answered {r.status_code}: {r.text[:200]}")
                 last = f"HTTP {r.status_code}"
-            self._sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
-        raise OracleError(f"no answer from {self.url}/v1/info after {self.retries} attempts ({last})")
+            attempt += 1
+            left = deadline - time.monotonic()
+            if left <= 0 or attempt >= 10_000:
+                raise OracleError(f"no answer from {self.url}/v1/info after {attempt} attempts in "
+                                  f"{self.connect_wait:g} s ({last}); is `headthief serve` running there? "
+                                  "(HEADTHIEF_CONNECT_WAIT=S waits longer)")
+            self._sleep(min(left, 1.0, self.max_backoff, self.backoff * 2 ** (attempt - 1)))
 
     def usage(self) -> dict[str, Any]:
         """This key's budget and queries used, as the server counts them (``GET /v1/usage``)."""
@@ -361,7 +387,8 @@ class HTTPOracle(Oracle):
 
     def _per_request(self, N: int) -> int:
         per_seq = N * self.d * {"json": 26, "sparse": 16}.get(self.framing, 8) + 16
-        return max(1, min(self.max_batch, (self.max_body - 1024) // per_seq))
+        limit = self.max_json if self.framing == "json" else self.max_body
+        return max(1, min(self.max_batch, (limit - 1024) // per_seq))
 
     def _query(self, X) -> np.ndarray:
         seqs = X if isinstance(X, np.ndarray) else X
@@ -432,7 +459,7 @@ class HTTPOracle(Oracle):
                     self.rate_waits += 1
                     self._sleep(wait)
                     continue
-                if status < 500 and status != 409:
+                if status < 500 and (status != 409 or self._error_code(r) == "idempotency_key_reused"):
                     self._raise(r, status, n)
             attempt += 1
             if attempt >= self.retries:
@@ -450,6 +477,14 @@ class HTTPOracle(Oracle):
             return max(0.0, float(r.headers.get("retry-after", default)))
         except ValueError:
             return default
+
+    @staticmethod
+    def _error_code(r) -> str:
+        try:
+            doc = r.json()
+        except ValueError:
+            return ""
+        return str(doc.get("error", "")) if isinstance(doc, dict) else ""
 
     @staticmethod
     def _detail(r) -> str:
@@ -492,6 +527,8 @@ class HTTPOracle(Oracle):
             raise BudgetExceeded(int(doc.get("spent", 0)), int(doc.get("budget", 0)), int(doc.get("requested", n)))
         if status in (400, 413, 415, 422):
             raise InvalidQuery(f"{self.url} refused the batch ({status}): {detail}")
+        if status == 409:       # idempotency_key_reused: another batch under this run's key (a hash collision?)
+            raise OracleError(f"{self.url} refused the batch ({status}): {detail}")
         raise OracleError(f"{self.url} refused the batch ({status}): {detail}")
 
 

@@ -68,11 +68,12 @@ class KeyRecord:
     defence: dict[str, Any]
     flagged_at: int | None
     created: str
+    revoked: str | None = None        # when ``keys revoke`` revoked it (then every request is 401)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "prefix": self.prefix, "budget": self.budget, "rate": self.rate,
                 "used": self.used, "defence": self.defence or None, "flagged_at": self.flagged_at,
-                "created": self.created}
+                "created": self.created, "revoked": self.revoked}
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class Accounts:
     """The server's SQLite database. Thread-safe (one connection behind a lock).
 
     Args:
-        path: the database file (created when missing).
+        path: the database file (created when missing, unless ``create=False``: then a missing file is an
+            :class:`AccountsError` naming it, so a typo in ``keys list --db`` does not make an empty database).
         sync: ``"full"`` (default): every charge is fsync'ed before its answer is sent, so it survives a
             power loss or an OS crash; ``"normal"`` (opt-in, ``headthief serve --sync normal``): SQLite's
             ``synchronous=NORMAL`` in WAL mode: a charge survives a crash of the server process but the
@@ -98,9 +100,12 @@ class Accounts:
             retried).
     """
 
-    def __init__(self, path: str | os.PathLike, *, sync: str = "full"):
+    def __init__(self, path: str | os.PathLike, *, sync: str = "full", create: bool = True):
         if sync not in ("full", "normal"):
             raise SpecError(f"sync={sync!r}: use full or normal")
+        if not create and not Path(path).is_file():
+            raise AccountsError(f"no server database at {path} (`headthief keys add NAME --db {path}` or "
+                                f"`headthief serve --db {path}` makes one)")
         self.sync = sync
         self.path = Path(path)
         self._lock = threading.RLock()
@@ -135,6 +140,8 @@ class Accounts:
                 CREATE INDEX IF NOT EXISTS prada_points_key ON prada_points (key_id, id);
                 CREATE INDEX IF NOT EXISTS prada_distances_key ON prada_distances (key_id, id);
             """)
+            if "revoked" not in {r[1] for r in self._db.execute("PRAGMA table_info(keys)").fetchall()}:
+                self._db.execute("ALTER TABLE keys ADD COLUMN revoked TEXT")     # databases made before revocation
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
             if not meta:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -183,11 +190,47 @@ class Accounts:
         return key
 
     def _record(self, row) -> KeyRecord:
-        kid, name, prefix, budget, rate, used, defence, flagged_at, created = row
+        kid, name, prefix, budget, rate, used, defence, flagged_at, created, revoked = row
         return KeyRecord(kid, name, prefix, budget, rate, used, json.loads(defence) if defence else {},
-                         flagged_at, created)
+                         flagged_at, created, revoked)
 
-    _COLS = "id, name, prefix, budget, rate, used, defence, flagged_at, created"
+    _COLS = "id, name, prefix, budget, rate, used, defence, flagged_at, created, revoked"
+
+    def _by_name(self, name: str) -> KeyRecord:
+        row = self._db.execute(f"SELECT {self._COLS} FROM keys WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            names = [r[0] for r in self._db.execute("SELECT name FROM keys ORDER BY id").fetchall()]
+            raise SpecError(f"no key named {name!r} in {self.path} (keys: {', '.join(names) or 'none'})")
+        return self._record(row)
+
+    def revoke(self, name: str) -> KeyRecord:
+        """Revoke a key: from now on every request with it is answered 401 (a running server sees it at
+        its next request). Its ledger and usage are kept."""
+        with self._lock:
+            rec = self._by_name(name)
+            if rec.revoked is None:
+                self._db.execute("UPDATE keys SET revoked = ? WHERE id = ?",
+                                 (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rec.id))
+            return self._by_name(name)
+
+    _UNSET: Any = object()
+
+    def update(self, name: str, *, budget: Any = _UNSET, rate: Any = _UNSET) -> KeyRecord:
+        """Change a key's budget (queries; None: no limit) and/or rate (requests per second; None: no limit).
+        A budget below what the key has used is allowed: the key is then refused further queries."""
+        if budget is not self._UNSET and budget is not None and budget < 0:
+            raise SpecError(f"--budget must be >= 0, got {budget}")
+        if rate is not self._UNSET and rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise SpecError(f"--rate must be a positive number of requests per second, got {rate}")
+        with self._lock:
+            rec = self._by_name(name)
+            if budget is not self._UNSET:
+                self._db.execute("UPDATE keys SET budget = ? WHERE id = ?", (budget, rec.id))
+            if rate is not self._UNSET:
+                self._db.execute("UPDATE keys SET rate = ?, tokens = ?, tokens_at = ? WHERE id = ?",
+                                 (rate, _capacity(rate), time.time(), rec.id))
+                self._buckets.pop(rec.id, None)
+            return self._by_name(name)
 
     def list_keys(self) -> list[KeyRecord]:
         with self._lock:
@@ -343,3 +386,48 @@ class Accounts:
 
 def _capacity(rate: float | None) -> float | None:
     return None if rate is None else max(1.0, float(rate))
+
+
+class DatabaseLock:
+    """One server per database: an exclusive ``flock`` on ``PATH.lock`` (the file holds the server's pid),
+    held until :meth:`release` or the process ends (a crash or SIGKILL releases it too, so a stale file
+    never blocks a restart). ``headthief keys`` does not take it: keys can be made and changed while the
+    server runs.
+
+    Raises:
+        AccountsError: another process holds the lock (naming its pid), or the lock file cannot be made.
+    """
+
+    def __init__(self, db: str | os.PathLike):
+        self.path = Path(str(db) + ".lock")
+        try:
+            import fcntl
+        except ImportError:         # no flock (Windows): one server per database is then the user's to keep
+            self._f = None
+            return
+        try:
+            f = open(self.path, "a+")
+        except OSError as e:
+            raise AccountsError(f"cannot make the lock file {self.path} ({e.strerror})") from None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise AccountsError(f"the database {db} is in use by another headthief serve (pid {pid}; lock "
+                                f"{self.path}): one server per database. Stop it first, or serve another "
+                                "--db") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._f = f
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.close()         # closing the descriptor releases the flock
+            self._f = None
+
+    def __repr__(self) -> str:
+        return f"DatabaseLock({str(self.path)!r})"

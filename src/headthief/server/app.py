@@ -2,23 +2,35 @@
 
 ``POST /v1/query`` handles a request in this order, answering the first problem it finds:
 
-1. ``Authorization: Bearer KEY`` names a known key, else **401**;
-2. an ``Idempotency-Key`` header (1 to 255 characters) is present, else **400**;
-3. the content type is JSON, ``application/x-npy`` or ``application/x-headthief-sparse``, else **415**; the body is at most
-   ``max_body_bytes``, else **413**; it decodes into sequences of the published dimension, every entry
-   finite and every token within the input-norm bound, else **422** naming the problem; at most
-   ``max_batch`` sequences of at most ``max_len`` tokens, else **413**;
-4. the key's rate limit has a request left, else **429** with ``Retry-After``;
-5. the key is not refused by the query-distribution detector, else **403** (``error: flagged``);
-6. the idempotency key: already charged with the same payload: the stored response again, free;
-   with another payload: **422**; still being computed: **409**;
-7. the budget covers the batch, else **403** (``error: budget_exceeded``, with ``spent`` and ``budget``);
-8. the answers are computed, charged and stored in one transaction (see
+1. a ``Content-Length`` above ``max_body_bytes``: **413** at once, before the body is read (a body
+   without a length that grows past it: **413** as soon as it does);
+2. ``Authorization: Bearer KEY`` names a known, unrevoked key, else **401**;
+3. an ``Idempotency-Key`` header, if sent, has 1 to 255 characters, else **400**; without one the
+   request is answered and charged every time it is sent (``--require-idempotency``: **400**);
+4. the content type is JSON, ``application/x-npy`` or ``application/x-headthief-sparse``, else **415**;
+   a JSON body above ``max_json_bytes`` is not parsed: **422** if its separators show more than
+   ``max_batch`` sequences or ``max_len`` tokens in one, else **413**; the body decodes into sequences of the published dimension, every entry finite and every token within
+   the input-norm bound, at most ``max_batch`` sequences of at most ``max_len`` tokens, else **422**
+   naming the problem;
+5. the key's rate limit has a request left, else **429** with ``Retry-After``;
+6. the key is not refused by the query-distribution detector, else **403** (``error: flagged``);
+7. the idempotency key: already charged with the same payload: the stored response again, free;
+   with another payload: **409** (``error: idempotency_key_reused``); still being computed: **409**
+   (``error: in_flight``, with ``Retry-After``);
+8. the budget covers the batch, else **403** (``error: budget_exceeded``, with ``spent`` and ``budget``);
+9. the answers are computed, charged and stored in one transaction (see
    :mod:`headthief.server.accounts`), then sent.
+
+Memory: a request holds its body (at most ``max_body_bytes``; an ``.npy`` body is decoded in place),
+and parsing a JSON body costs about ten times its size in Python objects, so JSON bodies are parsed
+only up to ``max_json_bytes`` (8 MiB), and those over :data:`LARGE_JSON` one at a time; at most
+:data:`LARGE_BODIES` bodies over :data:`LARGE_BODY` are held at once (the others wait, unread, in
+their sockets).
 """
 
 
 import math
+import secrets
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -30,11 +42,17 @@ from ..errors import InvalidQuery, OracleError
 from ..oracles.http import payload_hash
 from .accounts import Accounts, KeyRecord
 from .defences import D_MAX, Defence, Prada, parse_defence
-from .framing import ANSWERS, FRAMINGS, JSON, NPY, SPARSE, FramingError, decode, encode_json, encode_npy, media_type
+from .framing import (ANSWERS, FRAMINGS, JSON, NPY, SPARSE, FramingError, decode, encode_json, encode_npy,
+                      json_batch_excess, media_type)
 
-MAX_BODY_BYTES = 64 * 2**20
+MAX_BODY_BYTES = 64 * 2**20     # binary bodies (.npy, sparse): viewed in place, about their own size in memory
+MAX_JSON_BYTES = 8 * 2**20      # JSON bodies: parsing costs about 10x the text in Python objects
+LARGE_BODY = 2**20              # a body above this many bytes takes one of LARGE_BODIES slots while it is held
+LARGE_BODIES = 4
+LARGE_JSON = 2**20              # JSON bodies above this size are parsed one at a time
 QUERY_THREADS = 40          # query requests computed at once (as many as Starlette's default thread pool)
 MAX_IDEM_KEY = 255
+AUTO_KEY_PREFIX = "auto:"      # + 128 random bits: the ledger key of a request sent without an Idempotency-Key
 MAX_ABS_ENTRY = 1e100     # larger entries overflow the head's scores (x^T W x) in float64: refused, 422
 
 
@@ -54,28 +72,44 @@ class Service:
     """Everything the API does, without HTTP: the target, the accounts, the defences, the detectors.
 
     Args:
-        target_spec: the target to serve (``random:d=64,seed=1``, ...; see ``headthief targets``).
+        target: the target to serve: a spec (``random:d=64,seed=1``, ...; see ``headthief targets``) or a
+            resolved :class:`~headthief.targets.Target` (``py:`` targets need ``d``:
+            :func:`headthief.cli.target_options.target_from_args`).
         db: the accounts database (see :class:`~headthief.server.accounts.Accounts`).
         defence: the server-wide defence; a key's own defence is laid over it.
-        max_body_bytes: the largest request body accepted.
+        max_body_bytes: the largest binary (``.npy``, sparse) request body accepted.
+        max_json_bytes: the largest JSON request body accepted (parsing JSON costs about ten times its
+            size in memory; default 8 MiB).
         sync: the ledger's durability, ``"full"`` (default) or ``"normal"`` (see
             :class:`~headthief.server.accounts.Accounts`).
+        require_idempotency: refuse (400) a query without an ``Idempotency-Key``; by default such a
+            query is answered and charged every time it is sent.
     """
 
-    def __init__(self, target_spec: str, db, *, defence: Defence | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 sync: str = "full"):
-        from ..targets import resolve
-        self.target = resolve(target_spec)
-        if target_spec.startswith(("http://", "https://")):
-            raise InvalidQuery("serving an http:// target would proxy another server; serve a local target")
+    def __init__(self, target, db, *, defence: Defence | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_json_bytes: int = MAX_JSON_BYTES, sync: str = "full", require_idempotency: bool = False):
+        from ..errors import SpecError
+        spec = target if isinstance(target, str) else target.spec
+        if spec.startswith(("http://", "https://")):
+            raise SpecError("serving an http:// target would proxy another server; serve a local target")
+        if isinstance(target, str):
+            from ..targets import resolve
+            target = resolve(target)
+        self.target = target
+        if int(max_body_bytes) < 1 or int(max_json_bytes) < 1:
+            raise SpecError(f"the body limits must be >= 1 byte, got max_body_bytes={max_body_bytes}, "
+                            f"max_json_bytes={max_json_bytes}")
+        self.max_body_bytes = int(max_body_bytes)
+        self.max_json_bytes = int(max_json_bytes)
+        self.require_idempotency = bool(require_idempotency)
         self.accounts = db if isinstance(db, Accounts) else Accounts(db, sync=sync)
         self.defence = defence or Defence()
-        self.max_body_bytes = int(max_body_bytes)
         self._oracles: dict[Defence, Any] = {}
         self._prada: dict[int, Prada] = {}
         self._prada_lock = threading.Lock()
         self._pool = None
         self._workers = None
+        self._json_gate = threading.Semaphore(1)     # large JSON bodies are parsed one at a time (memory)
 
     def _hasher(self):
         if self._pool is None:
@@ -119,8 +153,12 @@ class Service:
     def info(self) -> dict[str, Any]:
         d = self.defence
         return {"d": self.target.d, "bias": bool(self.target.bias), "output": d.output(), "max_batch": d.max_batch,
-                "max_len": d.max_len, "max_body_bytes": self.max_body_bytes, "input_norm": d.norm,
-                "framings": list(FRAMINGS), "idempotency": "required", "max_abs_entry": MAX_ABS_ENTRY, "version": __version__}
+                "max_len": d.max_len, "max_body_bytes": self.max_body_bytes, "max_json_bytes": self.max_json_bytes,
+                "input_norm": d.norm, "framings": list(FRAMINGS),
+                "idempotency": "required" if self.require_idempotency else "optional",
+                "max_abs_entry": MAX_ABS_ENTRY, "version": __version__}
+
+
 
     def authenticate(self, authorization: str | None) -> KeyRecord:
         if not authorization:
@@ -133,6 +171,9 @@ class Service:
         rec = self.accounts.lookup(key.strip())
         if rec is None:
             raise Problem(401, "unauthorized", "unknown API key", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        if rec.revoked is not None:
+            raise Problem(401, "unauthorized", f"this API key ({rec.name!r}) was revoked at {rec.revoked}",
+                          {"WWW-Authenticate": 'Bearer error="invalid_token"'})
         return rec
 
     def usage(self, authorization: str | None) -> dict[str, Any]:
@@ -144,12 +185,16 @@ class Service:
               body: bytes, accept: str | None) -> tuple[bytes, str, dict[str, str]]:
         """Answer one request: (body, media type, headers), or raise :class:`Problem`."""
         rec = self.authenticate(authorization)
-        if not idem_key:
-            raise Problem(400, "idempotency_key_missing",
-                          "every query request needs an Idempotency-Key header (1 to 255 characters)")
-        if len(idem_key) > MAX_IDEM_KEY:
+        if idem_key is None:
+            if self.require_idempotency:
+                raise Problem(400, "idempotency_key_missing", "this server requires an Idempotency-Key header "
+                              "(1 to 255 characters) on every query request")
+            # no key: a request of its own, answered and charged every time it is sent (its ledger row gets a
+            # random key, which no client can know, so nothing is ever answered from it)
+            idem_key = AUTO_KEY_PREFIX + secrets.token_hex(16)
+        elif not 1 <= len(idem_key) <= MAX_IDEM_KEY:
             raise Problem(400, "idempotency_key_invalid", f"the Idempotency-Key has {len(idem_key)} characters; "
-                          f"the most is {MAX_IDEM_KEY}")
+                          f"it must have 1 to {MAX_IDEM_KEY}")
         mt = media_type(content_type) or JSON
         if mt not in FRAMINGS:
             raise Problem(415, "unsupported_media_type", f"content type {mt!r} is not accepted; use "
@@ -159,6 +204,16 @@ class Service:
         if len(body) > self.max_body_bytes:
             raise Problem(413, "payload_too_large", f"the body has {len(body)} bytes; the most is {self.max_body_bytes}")
         defence = self.defence_for(rec)
+        if mt == JSON and len(body) > self.max_json_bytes:
+            # too large to parse (about 10x its size in Python objects): a batch beyond the published limits
+            # is still told so (422), counted from its separators; any other is 413
+            with self._json_gate:
+                excess = json_batch_excess(body, defence.max_batch, defence.max_len)
+            if excess is not None:
+                raise Problem(422, excess[0], excess[1])
+            raise Problem(413, "payload_too_large", f"the JSON body has {len(body)} bytes; the most for JSON is "
+                          f"{self.max_json_bytes} (send larger batches as application/x-npy, up to "
+                          f"{self.max_body_bytes} bytes, or split them)")
         X, n, ph = self._decode(body, mt, defence)
         oracle = self.oracle_for(defence)
         if defence.norm is not None:
@@ -185,7 +240,7 @@ class Service:
         state, info = self.accounts.begin(rec, idem_key, n)
         if state == "replay":
             if info.payload_hash != ph_job.result():
-                raise Problem(422, "idempotency_key_reused", "this Idempotency-Key was used before with a different "
+                raise Problem(409, "idempotency_key_reused", "this Idempotency-Key was used before with a different "
                               "payload; use a new key for a new batch")
             return self._answer(info.answers, out_mt, charged=0, used=self.accounts.get(rec.id).used,
                                 budget=rec.budget, replayed=True, flagged=info.flagged)
@@ -220,7 +275,11 @@ class Service:
     def _decode(self, body: bytes, mt: str, defence: Defence):
         from ..oracles.base import as_batch
         try:
-            X = decode(body, mt, self.max_body_bytes // 8)
+            if mt == JSON and len(body) > LARGE_JSON:
+                with self._json_gate:
+                    X = decode(body, mt, self.max_body_bytes // 8)
+            else:
+                X = decode(body, mt, self.max_body_bytes // 8)
         except FramingError as e:
             raise Problem(422, "invalid_batch", str(e)) from None
         ph = None
@@ -233,9 +292,9 @@ class Service:
             if X.max() <= MAX_ABS_ENTRY and X.min() >= -MAX_ABS_ENTRY:
                 n = int(X.shape[0])
                 if n > defence.max_batch:
-                    raise Problem(413, "batch_too_large", f"the batch has {n} sequences; the most is {defence.max_batch}")
+                    raise Problem(422, "batch_too_large", f"the batch has {n} sequences; the most is {defence.max_batch}")
                 if X.shape[1] > defence.max_len:
-                    raise Problem(413, "sequence_too_long", f"a sequence has {X.shape[1]} tokens; the most is "
+                    raise Problem(422, "sequence_too_long", f"a sequence has {X.shape[1]} tokens; the most is "
                                   f"{defence.max_len}")
                 return X, n, ph
         try:
@@ -253,10 +312,10 @@ class Service:
         if n == 0:
             raise Problem(422, "invalid_batch", "the batch is empty: send at least one sequence")
         if n > defence.max_batch:
-            raise Problem(413, "batch_too_large", f"the batch has {n} sequences; the most is {defence.max_batch}")
+            raise Problem(422, "batch_too_large", f"the batch has {n} sequences; the most is {defence.max_batch}")
         longest = int(X.shape[1]) if isinstance(X, np.ndarray) else max(x.shape[0] for x in X)
         if longest > defence.max_len:
-            raise Problem(413, "sequence_too_long", f"a sequence has {longest} tokens; the most is {defence.max_len}")
+            raise Problem(422, "sequence_too_long", f"a sequence has {longest} tokens; the most is {defence.max_len}")
         return X, n, ph
 
     @staticmethod
@@ -268,14 +327,16 @@ class Service:
         return encode_json({"values": np.asarray(y, dtype=np.float64).tolist(), **fields}), JSON, {}
 
 
-def _openapi_extras(d: int, defence: Defence) -> dict[str, Any]:
+def _openapi_extras(d: int, defence: Defence, require_idempotency: bool) -> dict[str, Any]:
     seq = {"type": "array", "minItems": 1, "maxItems": defence.max_len,
            "items": {"type": "array", "minItems": d, "maxItems": d,
                      "items": {"type": "number", "minimum": -MAX_ABS_ENTRY, "maximum": MAX_ABS_ENTRY}}}
     return {
-        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": True,
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": require_idempotency,
                         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEM_KEY},
-                        "description": "a unique key per batch; a retry with the same key is answered again, free"}],
+                        "description": "a unique key per batch; a retry with the same key and payload is answered "
+                                       "again, free. Without one, every request is answered and charged"
+                                       + (" (this server requires one)" if require_idempotency else "")}],
         "requestBody": {"required": True, "content": {
             JSON: {"schema": {"type": "object", "additionalProperties": False, "required": ["sequences"],
                               "properties": {"sequences": {"type": "array", "minItems": 1,
@@ -304,6 +365,7 @@ def create_app(service: Service):
         max_batch: int
         max_len: int
         max_body_bytes: int
+        max_json_bytes: int
         max_abs_entry: float
         input_norm: float | None
         framings: list[str]
@@ -394,25 +456,46 @@ def create_app(service: Service):
     @app.post("/v1/query", response_model=QueryAnswer, summary="answer a batch of sequences, one value each",
               responses={200: {"content": {NPY: {"schema": {"type": "string", "format": "binary"}}},
                                "description": "one value per sequence"},
-                         400: err("no or invalid Idempotency-Key"), 401: err("no or unknown API key"),
+                         400: err("an Idempotency-Key of more than 255 characters (or none, where the server "
+                                  "requires one)"),
+                         401: err("no, unknown or revoked API key"),
                          403: err("budget spent, or the key was flagged by the detector"),
-                         409: err("a request with this Idempotency-Key is still in flight", retry_after),
-                         413: err("too many sequences, tokens or bytes"), 415: err("unsupported content type"),
-                         422: err("a malformed batch, or an Idempotency-Key reused with another payload"),
-                         429: err("rate limit exceeded", retry_after)},
-              openapi_extra=_openapi_extras(service.target.d, service.defence))
+                         409: err("a request with this Idempotency-Key is still in flight (`in_flight`, with "
+                                  "Retry-After), or the key was charged before for another payload "
+                                  "(`idempotency_key_reused`)", retry_after),
+                         413: err(f"a body of more than max_body_bytes ({service.max_body_bytes}) bytes, or a JSON "
+                                  f"body of more than max_json_bytes ({service.max_json_bytes}) within the batch "
+                                  "limits"),
+                         415: err("unsupported content type"),
+                         422: err("a malformed batch: it does not decode, a wrong dimension, an empty sequence, "
+                                  "a non-finite or too large entry, a token beyond the input-norm bound, more "
+                                  "sequences than max_batch or tokens than max_len"),
+                         429: err("rate limit exceeded", retry_after),
+                         500: err("an unexpected error of the server (logged)")},
+              openapi_extra=_openapi_extras(service.target.d, service.defence, service.require_idempotency))
     async def query(request: Request):
         return await answer(request.headers, request.stream())
+
+    large = asyncio.Semaphore(LARGE_BODIES)     # bodies over LARGE_BODY held at once
 
     async def answer(h, chunks) -> Response:
         """``POST /v1/query`` from its headers (lower-case names) and its body's chunks."""
         try:
+            limit = service.max_body_bytes
             length = h.get("content-length")
-            if length is not None and length.isdigit() and int(length) > service.max_body_bytes:
-                raise Problem(413, "payload_too_large", f"the body has {length} bytes; the most is "
-                              f"{service.max_body_bytes}")
-            body = await read_body(chunks, int(length) if length is not None and length.isdigit() else None)
-            # a plain executor: anyio's run_in_threadpool costs several times the hop itself
+            length = int(length) if length is not None and length.isdigit() else None
+            if length is not None and length > limit:      # refused unread: it costs no memory
+                raise Problem(413, "payload_too_large", f"the body has {length} bytes; the most is {limit}")
+            if length is not None and length <= LARGE_BODY:
+                return await compute(h, await read_body(chunks, length, limit))
+            async with large:       # a large body waits here, unread, while LARGE_BODIES others are held
+                return await compute(h, await read_body(chunks, length, limit))
+        except Problem as p:
+            return problem_response(p)
+
+    async def compute(h, body) -> Response:
+        # a plain executor: anyio's run_in_threadpool costs several times the hop itself
+        try:
             out, mt, headers = await asyncio.get_running_loop().run_in_executor(
                 service.workers(), functools.partial(service.query, h.get("authorization"), h.get("idempotency-key"),
                                                      h.get("content-type"), body, h.get("accept")))
@@ -420,10 +503,9 @@ def create_app(service: Service):
             return problem_response(p)
         return Response(out, media_type=mt, headers=headers)
 
-    async def read_body(chunks, length: int | None) -> bytearray:
+    async def read_body(chunks, length: int | None, limit: int) -> bytearray:
         """The body, into one buffer preallocated from the Content-Length (no joins; the npy decoder
-        views it in place), at most ``max_body_bytes`` (else 413)."""
-        limit = service.max_body_bytes
+        views it in place), at most ``limit`` bytes (else 413)."""
         body, size = bytearray(length if length is not None and length <= limit else 0), 0
         async for chunk in chunks:
             end = size + len(chunk)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,9 @@ def decode_json(body: bytes) -> "list[np.ndarray] | np.ndarray":
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise FramingError(f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise FramingError("the body nests lists deeper than a batch does (sequences of tokens of numbers: "
+                           "three levels)") from None
     if not isinstance(doc, dict) or "sequences" not in doc:
         raise FramingError('the body must be a JSON object {"sequences": [[[x_11, ..., x_1d], ...], ...]}')
     extra = set(doc) - {"sequences"}
@@ -61,7 +65,7 @@ def decode_json(body: bytes) -> "list[np.ndarray] | np.ndarray":
     if seqs and b"true" not in body and b"false" not in body and b"null" not in body:
         try:   # the fast path: every sequence has the same shape and only numbers
             A = np.asarray(seqs)
-        except (ValueError, TypeError, OverflowError):
+        except (ValueError, TypeError, OverflowError, RecursionError):
             A = None
         if A is not None and A.ndim == 3 and A.dtype.kind in "fi" and A.shape[1] > 0:
             return A.astype(np.float64)
@@ -83,6 +87,32 @@ def decode_json(body: bytes) -> "list[np.ndarray] | np.ndarray":
             raise FramingError(f"sequence {i}: its tokens do not all have the same length")
         out.append(x)
     return out
+
+
+_SEQ_SEP = re.compile(rb"\]\s*\]\s*,\s*\[\s*\[")     # between two sequences: ]],[[
+_TOK_SEP = re.compile(rb"\]\s*,\s*\[")                # between two tokens: ],[
+
+
+def json_batch_excess(body, max_batch: int, max_len: int) -> "tuple[str, str] | None":
+    """For a JSON body too large to parse: whether it has more sequences than ``max_batch`` or a sequence
+    of more tokens than ``max_len``, counted from its separators (``]],[[``, ``],[``) without parsing
+    (no Python objects: a few match objects, at most ``max_batch + 1`` of them, and a scan of the
+    bytes). ``(error, detail)`` for the first excess found, None if neither (or not a batch's shape)."""
+    seps = []
+    for m in _SEQ_SEP.finditer(body):
+        seps.append((m.start(), m.end()))
+        if len(seps) >= max_batch:
+            return "batch_too_large", (f"the batch has more than {max_batch} sequences (counted without parsing: "
+                                       f"the body is too large to parse as JSON); the most is {max_batch}")
+    bounds = [0, *(x for s in seps for x in s), len(body)]
+    for i in range(0, len(bounds), 2):
+        k = 1
+        for _ in _TOK_SEP.finditer(body, bounds[i], bounds[i + 1]):
+            k += 1
+            if k > max_len:
+                return "sequence_too_long", (f"sequence {i // 2} has more than {max_len} tokens (counted without "
+                                             f"parsing: the body is too large to parse as JSON); the most is {max_len}")
+    return None
 
 
 def _npy_fast(body) -> "np.ndarray | None":

@@ -1,9 +1,15 @@
-"""The ``http://HOST:PORT[?framing=auto|npy|sparse|json]`` target: a model behind a ``headthief serve`` API.
+"""The ``http://HOST:PORT[?framing=auto|npy|sparse|json][&connect_wait=S]`` target: a model behind a ``headthief serve`` API.
 
 The key comes from ``--api-key`` (the ``api_key`` setting of :func:`headthief.targets.resolve`) or the
 ``HEADTHIEF_API_KEY`` environment variable. The truth is unknown to the client (errors print as ``-``);
 compare recovered parameters with ``--save``. ``framing=auto`` (the default) sends each request in
 the sparse binary framing when at most a quarter of its entries are nonzero, else as ``.npy``.
+``connect_wait=S`` (default 30, or ``HEADTHIEF_CONNECT_WAIT``): how long to wait for a server that is
+still starting.
+
+Resolving the target asks the server once, before any query: ``/v1/info`` and, with a key,
+``/v1/usage``, so ``target.info["server_output"]`` is what this key's answers are (``value``,
+``noisy:TAU``, ``rounded:K`` or ``sign``): a method that cannot use them can be refused up front.
 """
 
 from __future__ import annotations
@@ -19,11 +25,19 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
     from ..oracles.http import HTTPOracle
     parts = urlsplit(spec)
     if not parts.hostname or parts.path not in ("", "/"):
-        raise SpecError(f"an http target is http://HOST:PORT[?framing=auto|npy|sparse|json], got {spec!r}")
+        raise SpecError(f"an http target is http://HOST:PORT[?framing=auto|npy|sparse|json][&connect_wait=S], "
+                        f"got {spec!r}")
     opts = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(opts) - {"framing"}
+    unknown = set(opts) - {"framing", "connect_wait"}
     if unknown:
-        raise SpecError(f"unknown option(s) for an http target: {', '.join(sorted(unknown))} (allowed: framing)")
+        raise SpecError(f"unknown option(s) for an http target: {', '.join(sorted(unknown))} "
+                        "(allowed: framing, connect_wait)")
+    wait = None
+    if "connect_wait" in opts:
+        try:
+            wait = float(opts["connect_wait"])
+        except ValueError:
+            raise SpecError(f"connect_wait={opts['connect_wait']!r} is not a number of seconds") from None
     from ..oracles.http import FRAMINGS
     framing = opts.get("framing", "auto")
     if framing not in FRAMINGS:
@@ -31,7 +45,7 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
     url = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
     api_key = ctx.get("api_key")
     try:
-        probe = HTTPOracle(url, api_key=api_key, framing=framing, retries=3)
+        probe = HTTPOracle(url, api_key=api_key, framing=framing, retries=3, connect_wait=wait)
     except ImportError as e:
         raise SpecError(f"an http target needs httpx: pip install 'headthief[serve]' ({e})") from None
     except OracleError as e:
@@ -43,6 +57,7 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
         raise SpecError(f"--d {ctx['d']} but the server at {url} serves d = {d}")
     bias = bool(ctx.get("bias")) or bool(info.get("bias"))
     return Target(spec=spec, d=d, bias=bias, truth=None,
-                  make_oracle=lambda **kw: HTTPOracle(url, api_key=api_key, framing=framing, **kw),
-                  info={"server_" + k: v for k, v in info.items() if k in ("output", "max_batch", "max_len", "version")}
+                  make_oracle=lambda **kw: HTTPOracle(url, api_key=api_key, framing=framing, connect_wait=wait, **kw),
+                  info={"server_" + k: v for k, v in info.items()
+                        if k in ("output", "max_batch", "max_len", "idempotency", "version")}
                   | {"framing": framing})
