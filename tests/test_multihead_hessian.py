@@ -113,3 +113,15 @@ def test_bad_settings():
         extract_multihead_hessian(oracle, hessians=0)
     with pytest.raises(ValueError, match=r"\(K, d, d\)"):
         block_diagonalize(np.zeros((3, 4)))
+
+
+def test_a_one_dimensional_range_is_one_block():
+    """Matrices whose common range is a line: one block of dimension 1 (was an IndexError)."""
+    from headthief.extraction.multihead.hessian import block_diagonalize
+    u = np.zeros(5)
+    u[2] = 1.0
+    M = np.stack([k * np.outer(u, u) for k in (1.0, 2.0, -0.5)])
+    res = block_diagonalize(M, rng=0)
+    assert len(res.bases) == 1 and res.bases[0].shape == (5, 1)
+    assert abs(abs(res.bases[0][2, 0]) - 1.0) < 1e-12
+    assert res.kernel.shape == (5, 4)

@@ -134,3 +134,31 @@ def test_too_few_measurements_warn_and_fail_honestly(capsys):
     code = main(["extract", "--target", f"random:d={d},rank={r},seed=4", "--method", "rop", "--rank", str(r),
                  "--oversampling", "0.5", "--quiet", "--json", "--no-check"])
     assert code == 0 and "warning: 30 rank-one measurements" in capsys.readouterr().err
+
+
+def test_float32_answers_weighted_and_oversampled():
+    # float32 answers: the stall at the rounding floor is convergence, measurements are weighted by their
+    # rounding error and the default oversampling doubles. The bound: a float32 measurement carries an
+    # error of about 1e-7 of ||a|| ||b|| after weighting (median; measured 3e-8 to 6e-8 on this CPU), so W
+    # comes out near 1e-6 (measured 3e-7 to 2e-6 on 20 targets); 1e-4 leaves a factor 50 for other BLAS
+    # roundings and is still 100x below what the unweighted, un-oversampled fit reached (up to 5e-5,
+    # or no convergence at all).
+    from headthief.extraction.single.rop import DEFAULT_OVERSAMPLING, FLOAT32_OVERSAMPLING
+    d, r = 32, 2
+    for seed in (3, 4):
+        h = random_head(d, rng=seed, rank=r, dtype=np.float32)
+        W = np.asarray(h.left @ h.right.T, dtype=np.float64)
+        res = extract_rop(ModelOracle(h), rank=r, rng=seed, check=False)
+        assert res.diagnostics["precision"] == "float32"
+        assert res.diagnostics["stop"] in ("noise floor", "converged")
+        assert res.diagnostics["stall_tol"] == pytest.approx(2.0 ** -12)
+        m = measurements(d, r, DEFAULT_OVERSAMPLING["als"] * FLOAT32_OVERSAMPLING)
+        assert res.diagnostics["measurements"] == m
+        assert res.queries == rop_query_count(d, r, float32=True) + res.diagnostics["requeried"]
+        assert np.linalg.norm(res.W - W) / np.linalg.norm(W) < 1e-4
+
+
+def test_als_stall_tolerance_follows_the_answers():
+    from headthief.extraction.single.sensing_als import STALL_TOL, als_stall_tol
+    assert als_stall_tol(2.0 ** -53) == STALL_TOL            # float64: unchanged
+    assert als_stall_tol(2.0 ** -24) == pytest.approx(2.44e-4, rel=1e-3)

@@ -171,7 +171,8 @@ def _expected_rop(target, args):
         return None
     try:
         return rop_query_count(target.d, r, measurements=args.measurements, oversampling=args.oversampling,
-                               solver=args.solver, bias=target.bias)
+                               solver=args.solver, bias=target.bias,
+                               float32=target.info.get("dtype") == "float32")
     except ValueError:
         return None
 

@@ -203,6 +203,8 @@ def _commutant(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     import scipy.linalg
     K, r, _ = A.shape
+    if r == 1:      # a one-dimensional range: every 1x1 X commutes; the commutant is the line of X = [1]
+        return np.zeros(1), np.ones((1, 1, 1))
     iu, ju = np.triu_indices(r, k=1)               # rows: the strict upper triangle of X A - A X
     du, dv = np.triu_indices(r)                    # columns: X's upper triangle
     off = du != dv
