@@ -151,7 +151,7 @@ def resolve(spec: str, **ctx: Any) -> Target:
 
 def describe() -> list[tuple[str, str]]:
     rows = [(k.syntax, k.description) for k in TARGET_KINDS.values()]
-    rows.append(("http://HOST:PORT[?framing=json|npy] --api-key K",
+    rows.append(("http://HOST:PORT[?framing=auto|sparse|npy|json][&connect_wait=S] --api-key K",
                  "a model behind a `headthief serve` API (key also from HEADTHIEF_API_KEY)"))
     rows.append(("py:PATH.py:FUNC --d D [--bias]",
                  "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array"))
