@@ -145,3 +145,66 @@ def test_cli_exit_code_5_and_json_model_check(tmp_path, capsys):
 def test_sign_only_methods_check_bits():
     res = extract_membership(SignOnly(ModelOracle(random_head(6, rng=2), input_norm=1.0)))
     assert res.check.verdict == "pass" and res.check.answers == "sign-only"
+
+
+# --------------------------------------------------------------------------- thresholds from measured noise
+
+
+def _float32_head(head, order=None):
+    """A head answering in float32: computed in float64, then each answer rounded to float32 (``order``:
+    the tokens' coordinates summed in another order first, as another CPU's BLAS would)."""
+
+    def f(seqs):
+        return [float(np.float32(v)) for v in head.evaluate(seqs)]
+
+    return f
+
+
+def test_noise_is_measured_from_the_answers():
+    """The quadratic-fit residual on short segments reads the answers' rounding: ~eps of their size for
+    float32 answers, and the function's own curvature leaves only ~1e-13 (read on float64 answers)."""
+    from headthief.extraction.precision import answer_noise, noise_sequences
+    head = random_head(16, rng=3)
+    seqs, k = noise_sequences(16, 256, np.random.default_rng(0))
+    assert k == 12 and len(seqs) == 256
+    y64 = head.evaluate(seqs)
+    y32 = np.array(_float32_head(head)(seqs))
+    rms = float(np.sqrt(np.mean(y64 ** 2)))
+    s64 = answer_noise(y64[-k * 6:]) / rms
+    s32 = answer_noise(y32[-k * 6:]) / rms
+    assert s64 < 1e-11          # float64: what is left of the curvature (8.9e-14) is far below float32 rounding
+    assert 2.0 ** -24 / 20 < s32 < 4 * 2.0 ** -24       # float32: rounding at the answers' scale
+
+
+def test_float32_threshold_is_sharp_and_a_worse_model_fails():
+    """On float32 answers the threshold follows the measured noise (K = 1000 of it, ~1e-4 here), far
+    below the worst-case 2000 d eps (1.9e-3 at d = 16): a model off by ~5e-4 passed before, now fails."""
+    import dataclasses
+    from headthief.extraction.check import verdict
+    head = random_head(16, rng=3)
+    oracle = CallableOracle(_float32_head(head), 16)
+    res = extract_exact(oracle)
+    assert res.check.verdict == "pass" and res.check.answers == "float32"
+    assert res.check.noise is not None and res.check.threshold < 2e-4 < 2000 * 16 * 2.0 ** -24
+    assert res.check.figure < res.check.threshold / 5          # the method is well inside it
+    worse = dataclasses.replace(res, v=res.v * (1 + 2e-4))
+    with pytest.raises(ModelMismatch, match="noise measured") as e:
+        verdict(worse, oracle, model=SINGLE)
+    mc = e.value.model_check
+    assert mc.threshold < mc.figure < 2000 * 16 * 2.0 ** -24
+
+
+def test_ffn_check_is_dispatched_without_an_import_circle():
+    """check.py does not import the FFN's check: the FFN learner passes its own, and importing ffn_check
+    registers it for check.preflight(model=FFN)."""
+    import ast
+    import pathlib
+    import headthief.extraction.check as check
+    from headthief.extraction.transformer import ffn_check
+    from headthief.models.ffn import random_ffn
+    src = pathlib.Path(check.__file__).read_text()
+    names = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)}
+    assert not any(m and "ffn_check" in m for m in names)
+    ids, spent, kind = check.preflight(ModelOracle(random_ffn(8, 4, 0)), model=check.FFN)
+    assert [i.name for i in ids] == ["zero token", "homogeneity", "odd part linear"] and spent == 11
+    assert ffn_check.ffn_preflight is check.CLASS_CHECKS[check.FFN][0]

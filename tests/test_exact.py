@@ -36,7 +36,7 @@ def test_float32_head_with_adaptive_scales_beats_unit_probes():
     # small scores, like a pretrained head after its 1/sqrt(d_h) scaling: unit probes leave alpha ~ 1/2
     head = random_head(96, rng=4, rank=8, dtype=np.float32, bias=True, W_norm=0.5)
     adaptive = extract_exact(ModelOracle(head), bias=True)
-    unit = extract_exact(ModelOracle(head), bias=True, scales="unit")
+    unit = extract_exact(ModelOracle(head), bias=True, scales="unit", check=False)   # the worse design: no check
     ea, eu = adaptive.errors(head)["W_rel_err"], unit.errors(head)["W_rel_err"]
     assert ea <= 1e-5
     assert ea < eu / 3

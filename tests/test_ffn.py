@@ -143,22 +143,69 @@ def test_rarely_active_neurons_are_not_missed():
 # --------------------------------------------------------------------------- float32 answers
 
 
+class OtherCPU(ModelOracle):
+    """A float32 FFN summed in another order: every dot product accumulated one term at a time in a seeded
+    permutation of its terms (what another CPU's BLAS blocking does to float32 rounding). The answers differ
+    from numpy's by a few ulps, deterministically per input."""
+
+    def __init__(self, ffn, order_seed):
+        super().__init__(ffn)
+        g = np.random.default_rng(order_seed)
+        self.p1, self.p2 = g.permutation(ffn.d), g.permutation(ffn.m)
+
+    def _query(self, X):
+        f = self.model
+        Z = np.array([np.asarray(x)[-1] for x in X], dtype=np.float32)
+        H = np.zeros((Z.shape[0], f.m), dtype=np.float32)
+        for j in self.p1:
+            H = H + Z[:, j:j + 1] * f.A[j][None, :]
+        if f.b1 is not None:
+            H = H + f.b1
+        H = np.maximum(H, np.float32(0))
+        out = np.zeros(Z.shape[0], dtype=np.float32)
+        for j in self.p2:
+            out = out + H[:, j] * f.w[j]
+        if f.b2 is not None:
+            out = out + np.float32(f.b2)
+        return out.astype(np.float64)
+
+
+@pytest.mark.parametrize("rounding", ["numpy", "other-cpu"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_answers_reach_the_precision_they_allow(bias):
+def test_float32_answers_reach_the_precision_they_allow(bias, rounding):
     """A black box computing in float32 (every answer carries ~6e-8 relative rounding): the learner reads
     the precision from the answers, fits each hyperplane to kink points and the output weights by least
-    squares. ffn:d=16,m=32,seed=1,dtype=float32 measured 5.9e-6 (bias-free) and 4.0e-6 (biases)."""
+    squares. ffn:d=16,m=32,seed=1,dtype=float32 measured 4.1e-6 (bias-free) and 3.3e-6 (biases). The same
+    network summed in another order (another CPU's rounding) must reach the same: nothing is tuned to
+    one machine's rounding."""
     truth = random_ffn(16, 32, 1, bias=bias, dtype=np.float32)
     exact = random_ffn(16, 32, 1, bias=bias)                 # the same weights, computed in float64
-    res = extract_ffn(ModelOracle(truth), bias=bias, rng=0)
+    oracle = ModelOracle(truth) if rounding == "numpy" else OtherCPU(truth, order_seed=11)
+    res = extract_ffn(oracle, bias=bias, rng=0)
     assert res.diagnostics["float32_answers"] and res.check.verdict == "pass"
+    assert res.check.threshold <= 2e-4                       # the threshold follows the measured noise
     assert res.diagnostics["neurons"] == 32
     assert res.diagnostics["hyperplanes_from_kink_points"] == 32
     r = compare_ffn(res.model, exact)
     assert r["matched"] == 32 and r["neuron_rel_err"] <= 1e-3
     rand, kink, k = fidelity(res, exact, n=4000)
     assert rand <= 1e-4 and kink <= 1e-4 and k == 4 * 32
-    assert res.queries <= 30_000                   # measured 9,415 (bias-free) and 18,703 (biases)
+    assert res.queries <= 40_000                   # measured 9,415 (bias-free) and 18,703 (biases)
+
+
+@pytest.mark.parametrize("seed", [21, 23, 25])
+def test_float32_learner_tries_harder_until_the_values_read_are_explained(seed):
+    """Networks where a neuron used to be dropped as a phantom (the fit of the values read was 7e-5 to 5e-2
+    of their largest, against 1.3e-6 when complete): the learner adds paths until the values are explained
+    to FIT_LIMIT_EPS eps, or says which neuron it could not pin down."""
+    from headthief.extraction.transformer.ffn import FIT_LIMIT_EPS
+    bias = seed != 21
+    truth = random_ffn(16, 32, seed, bias=bias, dtype=np.float32)
+    exact = random_ffn(16, 32, seed, bias=bias)
+    res = extract_ffn(OtherCPU(truth, order_seed=seed), bias=bias, rng=0)
+    assert res.diagnostics["output_fit_rel_residual"] <= FIT_LIMIT_EPS * 2.0 ** -24
+    assert compare_ffn(res.model, exact)["matched"] == 32
+    assert fidelity(res, exact, n=4000)[0] <= 1e-4
 
 
 def test_float32_kink_search_sees_every_kink_of_a_chord():

@@ -100,7 +100,7 @@ def test_float32_oracle_gets_oversampling_automatically():
     assert res.queries == lowrank_query_count(d, r, oversample=10) + dg["requeried"]
     check_recovery(res, head, W_tol=2e-5, v_tol=1e-6, fidelity_tol=1e-4)
     # the square core without oversampling amplifies the float32 noise far more
-    square = extract_lowrank(ModelOracle(head), rank=r, oversample=0, rng=0)
+    square = extract_lowrank(ModelOracle(head), rank=r, oversample=0, rng=0, check=False)   # the worse design
     assert square.queries == info_limit(d, r) + square.diagnostics["requeried"]
     assert square.errors(head)["W_rel_err"] > 3 * res.errors(head)["W_rel_err"]
 

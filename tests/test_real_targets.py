@@ -187,7 +187,7 @@ def test_bench_real_rejects_bad_selection(capsys):
 
 def test_torch_targets_say_how_to_install_when_torch_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)       # makes `import torch` raise ImportError
-    with pytest.raises(SpecError, match=r"headthief\[torch\]"):
+    with pytest.raises(SpecError, match=r"pip install -e '\.\[torch\]'"):
         resolve("torch-mha:d=4")
 
 

@@ -400,6 +400,8 @@ def _failure_row(target: Target | None, spec: str, method: str, exc: BaseExcepti
             row["fidelity_max_rel_err"] = _num(exc.figure)
     if oracle is not None:
         row["queries_sent"] = oracle_stack(oracle)[-1].queries
+        if isinstance(exc, ModelMismatch):      # stopped by the identities, before the method asked anything
+            row["check_queries"] = row["queries_sent"]
     if isinstance(exc, BudgetExceeded):
         row["budget"] = budget
     row["error"] = str(exc)

@@ -37,117 +37,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import BudgetExceeded, ModelMismatch, NotIdentifiable
 from ..oracles.base import Oracle, oracle_stack
-from .result import random_sequences
-
-SINGLE = "single-head attention"
-MULTI = "multi-head attention"
-FFN = "ReLU feed-forward network"   # one-token queries; its identities and verdict: transformer/ffn_check.py
-TRANSFORMER = "one-layer transformer"
-# classes with a nonlinearity after the attention: one-token answers are not affine in the token
-NOT_AFFINE = {TRANSFORMER}
-CHECK_SEED = 0x5EED
-
-
-@dataclass(frozen=True)
-class Identity:
-    """One identity tested before the extraction: its name, the worst violation and the allowance."""
-
-    name: str
-    ok: bool | None          # None: inconclusive (the answers were too imprecise to tell)
-    violation: float
-    allowed: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "violation": _num(self.violation), "allowed": _num(self.allowed)}
-
-
-@dataclass(frozen=True)
-class ModelCheck:
-    """What the model check found.
-
-    Attributes:
-        verdict: ``"pass"``, ``"fail"``, ``"inconclusive"`` (the answers or the method's resolution cannot
-            tell), or ``"unchecked"`` (skipped, or the budget ran out first).
-        model: the assumed class.
-        answers: what the answers were read as (``float64``, ``float32``, ``tolerance 1e-06``, ``sign-only``).
-        identities: the identities tested before the extraction.
-        check_queries: queries the identities cost (apart from the method's ``queries``).
-        figure, threshold: the fidelity on fresh sequences and the largest the answers' precision explains.
-        verify_queries: queries the fidelity cost.
-        detail: a sentence for people.
-    """
-
-    verdict: str
-    model: str
-    answers: str = ""
-    identities: tuple[Identity, ...] = ()
-    check_queries: int = 0
-    figure: float | None = None
-    threshold: float | None = None
-    verify_queries: int = 0
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "model": self.model, "answers": self.answers,
-                "figure": _num(self.figure), "threshold": _num(self.threshold),
-                "check_queries": self.check_queries, "verify_queries": self.verify_queries,
-                "identities": [i.as_dict() for i in self.identities], "detail": self.detail}
-
-
-def _num(x):
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-# ---------------------------------------------------------------------------------------------------
-# what the answers are
-
-
-@dataclass(frozen=True)
-class AnswerKind:
-    """How precise the oracle's answers are: ``sign`` (bits), ``tau`` (a tolerance), or floats."""
-
-    sign: bool = False
-    tau: float = 0.0
-    float32: bool = False
-
-    @property
-    def eps(self) -> float:
-        return 2.0 ** -24 if self.float32 else 2.0 ** -53
-
-    def describe(self) -> str:
-        if self.sign:
-            return "sign-only"
-        base = "float32" if self.float32 else "float64"
-        return f"{base}, tolerance {self.tau:g}" if self.tau > 0 else base
-
-
-def answer_kind(oracle: Oracle, answers: np.ndarray | None = None) -> AnswerKind:
-    """Read the oracle stack (SignOnly, Tolerance wrappers) and, from answers, float32 or not."""
-    from ..oracles.sign_only import SignOnly
-    from ..oracles.tolerance import Tolerance
-    from .probes import looks_float32
-    sign, tau = False, 0.0
-    for o in oracle_stack(oracle):
-        if isinstance(o, SignOnly):
-            sign = True
-        elif isinstance(o, Tolerance):
-            tau += o.tau
-        else:       # a model API says what its answers are (HTTPOracle: noisy:TAU, rounded:K, sign)
-            sign = sign or bool(getattr(o, "answer_sign", False))
-            tau += float(getattr(o, "answer_tau", 0.0))
-    f32 = bool(answers is not None and not sign and looks_float32(answers))
-    return AnswerKind(sign=sign, tau=tau, float32=f32)
-
+# the pieces every check shares live in .precision (so that the FFN's check, transformer/ffn_check.py, needs
+# nothing from here); they are re-exported under their old names
+from .precision import (CHECK_SEED, CLASS_CHECKS, FFN, INCONCLUSIVE_THRESHOLD, MULTI, NOT_AFFINE, SINGLE,  # noqa: F401
+                        TRANSFORMER, AnswerKind, Identity, ModelCheck, _num, answer_kind, answer_noise,
+                        fidelity_threshold, fidelity_verdict, inconclusive_detail, method_resolution,
+                        NOISE_POINTS, noise_sequences, register_class_check, threshold_source)
 
 # ---------------------------------------------------------------------------------------------------
 # before: identities
@@ -203,9 +104,11 @@ def preflight(oracle: Oracle, *, model: str = SINGLE, bias: bool = False,
     Returns ``(identities, queries spent, answer kind)``. A target whose answers do not depend on the
     tokens at all (a constant) raises :class:`NotIdentifiable`: nothing of W is visible.
     """
+    if model in CLASS_CHECKS:
+        return CLASS_CHECKS[model][0](oracle, bias=bias, rng=rng)
     if model == FFN:
-        from .transformer.ffn_check import ffn_preflight
-        return ffn_preflight(oracle, bias=bias, rng=rng)
+        raise ValueError("the FFN's check lives in headthief.extraction.transformer.ffn_check: import it (it "
+                         "registers itself) or decorate with checked(FFN, preflight=..., verdict=...)")
     rng = np.random.default_rng(rng)
     d = oracle.d
     R = oracle.input_norm
@@ -346,75 +249,20 @@ def _sign_identities(y, *, bias: bool, single: bool) -> list[Identity]:
 # after: fidelity against what the precision explains
 
 
-INCONCLUSIVE_THRESHOLD = 1.0
-"""A fidelity threshold at least this large (relative to the output RMS) makes the verdict inconclusive."""
-
-
-def fidelity_verdict(figure: float, threshold: float) -> str:
-    """``"fail"`` above the threshold; ``"inconclusive"`` when the threshold is at least
-    :data:`INCONCLUSIVE_THRESHOLD` (the answers' imprecision explains errors as large as the outputs
-    themselves, so the test cannot tell a right model class from a wrong one); else ``"pass"``."""
-    if figure > threshold:
-        return "fail"
-    return "inconclusive" if threshold >= INCONCLUSIVE_THRESHOLD else "pass"
-
-
-def inconclusive_detail(what: str, threshold: float, kind) -> str:
-    return (f"{what}; threshold {threshold:.3g} from {kind.describe()} answers is at least "
-            f"{INCONCLUSIVE_THRESHOLD:g} of the output RMS, too loose to tell the model class")
-
-
-def fidelity_threshold(kind: AnswerKind, d: int, rms: float, *, resolution: float = 0.0) -> float:
-    """The largest fidelity (max abs error / RMS of the answers) that the answers' precision explains.
-
-    - rounding: ``2000 * d * eps`` (eps = 2^-53 or 2^-24) and, for float64, a floor of ``1e-9`` for the
-      solvers' own stopping rules: the extraction's error from rounded answers, amplified by the fresh
-      sequences' size (Gaussian tokens of norm ~sqrt(d): a relative parameter error e moves the output
-      by about ``e * d``). Measured: 1e-13 on float64 exact heads at d = 64, 6e-11 with the ALS solver,
-      4.9e-4 on the float32 MiniLM heads at d = 384, where this gives 1e-9 and 4.6e-2;
-    - a tolerance tau: ``(2 + 1e4 sqrt(d)) tau / rms``: the answers' own ``2 tau`` and the estimators'
-      amplification of tau into parameter errors under an input-norm bound (measured up to ~3e3 sqrt(d)
-      for Theorem 6.1's estimator at ``||W||_F = 8``);
-    - the method's own resolution (a relative parameter error it reaches with exact answers, e.g. a
-      convex solver's tolerance, :func:`method_resolution`): ``10 * d * resolution``.
-    """
-    thr = 2000.0 * d * kind.eps + (1e-9 if not kind.float32 else 0.0)
-    if kind.tau > 0:
-        thr += (2.0 + 1e4 * math.sqrt(d)) * kind.tau / max(rms, 1e-300)
-    thr += 10.0 * d * resolution
-    return float(thr)
-
-
-def method_resolution(res) -> float:
-    """The relative parameter error a method reaches with exact answers (0 for the exact algorithms).
-
-    ``diagnostics["resolution"]`` where a method states it; else the convex program's solver tolerance
-    (1e-6) for ``rop --solver convex``, and for Theorem B.1's sphere estimator its Hoeffding error
-    ``sqrt(2 log(2 d / 0.1) / k)`` with k sphere queries.
-    """
-    diag = res.diagnostics
-    if "resolution" in diag:
-        return float(diag["resolution"])
-    if res.method == "rop" and diag.get("solver") == "convex":
-        return 1e-6
-    if res.method == "membership-paper" and diag.get("k"):
-        return math.sqrt(2 * math.log(2 * res.d / 0.1) / float(diag["k"])) + float(diag.get("eps_W", 0.0))
-    return 0.0
-
-
 def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Generator | int = 10_000,
             preflight_result=None, signs: bool = False) -> ModelCheck:
     """Compare ``res`` with ``oracle`` on ``n`` fresh sequences and decide; raises :class:`ModelMismatch`
     (carrying the :class:`ModelCheck` as ``.model_check`` and the result as ``.result``)."""
+    if model in CLASS_CHECKS:
+        return CLASS_CHECKS[model][1](res, oracle, n=n, rng=rng, preflight_result=preflight_result)
     if model == FFN:
-        from .transformer.ffn_check import ffn_verdict
-        return ffn_verdict(res, oracle, n=n, rng=rng, preflight_result=preflight_result)
+        raise ValueError("the FFN's check lives in headthief.extraction.transformer.ffn_check: import it")
     ids, cq, kind0 = preflight_result if preflight_result is not None else ((), 0, None)
     resolution = method_resolution(res)
     if n <= 0:
         return ModelCheck("unchecked", model, kind0.describe() if kind0 else "", ids, cq,
                           detail="no fresh sequences asked (verify n = 0)")
-    batch = random_sequences(res.d, n, rng=rng, input_norm=oracle.input_norm)
+    batch, k_noise = noise_sequences(res.d, n, np.random.default_rng(rng), input_norm=oracle.input_norm)
     before = oracle.queries
     try:
         y = oracle.query(batch)
@@ -428,6 +276,7 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
         kind = AnswerKind(sign=True)
         y = (y > 0).astype(np.float64)
     y_hat = np.asarray(res.predict(batch), dtype=np.float64)
+    src, noise = f"{kind.describe()} answers", None
     if kind.sign:
         # bits: how often the recovered model's sign is wrong where it is clear of zero
         scale = float(np.sqrt(np.mean(y_hat ** 2))) or 1e-300
@@ -444,19 +293,21 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
     else:
         rms = float(np.sqrt(np.mean(y ** 2)))
         figure = float(np.max(np.abs(y_hat - y)) / max(rms, 1e-300))
-        threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution)
+        noise = answer_noise(y[len(y) - k_noise * NOISE_POINTS:]) if k_noise else None
+        threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution, noise=noise)
+        src = threshold_source(kind, noise, rms)
         what = f"fidelity {figure:.3g}"
         if fidelity_verdict(figure, threshold) == "inconclusive":
             return ModelCheck("inconclusive", model, kind.describe(), ids, cq, figure, threshold, vq,
-                              detail=inconclusive_detail(what, threshold, kind))
+                              detail=inconclusive_detail(what, threshold, kind), noise=noise)
     ok = figure <= threshold
     mc = ModelCheck("pass" if ok else "fail", model, kind.describe(), ids, cq, figure, threshold, vq,
-                    detail=f"{what}; threshold {threshold:.3g} from {kind.describe()} answers"
-                    + (f" and the method's resolution {resolution:.3g}" if resolution else ""))
+                    detail=f"{what}; threshold {threshold:.3g} from {src}"
+                    + (f" and the method's resolution {resolution:.3g}" if resolution else ""), noise=noise)
     if not ok:
         err = ModelMismatch(
             f"the target does not behave like {model}: on {n} fresh sequences the recovered model's "
-            f"{what} exceeds {threshold:.3g}, the most that {kind.describe()} answers explain; either the "
+            f"{what} exceeds {threshold:.3g}, the most that {src} explains; either the "
             f"target is not {model} or the method fell short of its precision"
             + (f" (it warned: {res.diagnostics['warning']})" if res.diagnostics.get("warning") else "")
             + " (--no-check skips the check)", check="fidelity", figure=figure, threshold=threshold,
@@ -483,7 +334,11 @@ def cost(oracle: Oracle, before: dict[str, float]) -> dict[str, Any]:
             "queries_fresh": q - rep, "queries_replayed": rep}
 
 
-def checked(model: str = SINGLE, *, reads: str = "values") -> Callable:
+_PREFLIGHT, _VERDICT = preflight, verdict      # the checks of the attention classes (checked's defaults)
+
+
+def checked(model: str = SINGLE, *, reads: str = "values", preflight: Callable | None = None,
+            verdict: Callable | None = None) -> Callable:
     """Decorate an extraction method ``fn(oracle, *, bias=..., ...)`` with the model check.
 
     Adds three keyword arguments: ``check`` (default True; False skips both checks), ``verify`` (fresh
@@ -492,7 +347,14 @@ def checked(model: str = SINGLE, *, reads: str = "values") -> Callable:
     shares: ``oracle_calls``, ``oracle_seconds`` (time inside the black box), ``queries_fresh`` and
     ``queries_replayed`` (answered from a journal). ``reads="signs"``: the method uses only the sign of
     each answer (the membership methods), so the check reads the answers as bits too.
+
+    ``preflight`` / ``verdict``: the model class's own check, for classes whose identities live beside
+    their method (the FFN learner passes :mod:`~headthief.extraction.transformer.ffn_check`'s), called as
+    ``preflight(oracle, bias=..., rng=...)`` and ``verdict(res, oracle, n=..., rng=..., preflight_result=...)``.
     """
+    pre_fn = preflight if preflight is not None else _PREFLIGHT
+    ver_fn = verdict if verdict is not None else _VERDICT
+    custom = preflight is not None
 
     def deco(fn):
         @functools.wraps(fn)
@@ -503,9 +365,21 @@ def checked(model: str = SINGLE, *, reads: str = "values") -> Callable:
                 # the identities run just before the method's first query: a method that refuses its
                 # settings does so before anything is spent
                 def hook():
-                    pre.append(preflight(oracle, model=model, bias=bool(kw.get("bias", False)),
-                                         rng=np.random.default_rng(CHECK_SEED), signs=reads == "signs"))
+                    r0 = counters(oracle)["replayed"]
+                    try:
+                        _hook()
+                    finally:
+                        pre_replayed.append(int(counters(oracle)["replayed"] - r0))
+
+                def _hook():
+                    if custom:
+                        pre.append(pre_fn(oracle, bias=bool(kw.get("bias", False)),
+                                          rng=np.random.default_rng(CHECK_SEED)))
+                    else:
+                        pre.append(pre_fn(oracle, model=model, bias=bool(kw.get("bias", False)),
+                                          rng=np.random.default_rng(CHECK_SEED), signs=reads == "signs"))
                 oracle.before_first_query = hook
+            pre_replayed: list = []
             before = counters(oracle)
             try:
                 res = fn(oracle, *args, **kw)
@@ -513,15 +387,19 @@ def checked(model: str = SINGLE, *, reads: str = "values") -> Callable:
                 oracle.before_first_query = None
             spent = pre[0][1] if pre else 0
             c = cost(oracle, before)
-            if pre:   # the identities' queries are not the method's
+            if pre:   # the identities' queries are not the method's (fresh or answered from a journal)
                 c["oracle_calls"] -= 1
-                c["queries_fresh"] -= spent
+                rep = pre_replayed[0] if pre_replayed else 0
+                c["queries_fresh"] -= spent - rep
+                c["queries_replayed"] -= rep
             res = dataclasses.replace(res, queries=res.queries - spent, diagnostics={**res.diagnostics, **c})
             if not check:
                 mc = ModelCheck("unchecked", model, detail="the model check was skipped (--no-check)")
+            elif verdict is not None:
+                mc = ver_fn(res, oracle, n=verify, rng=check_rng, preflight_result=pre[0] if pre else None)
             else:
-                mc = verdict(res, oracle, model=model, n=verify, rng=check_rng,
-                             preflight_result=pre[0] if pre else None, signs=reads == "signs")
+                mc = ver_fn(res, oracle, model=model, n=verify, rng=check_rng,
+                            preflight_result=pre[0] if pre else None, signs=reads == "signs")
             return dataclasses.replace(res, check=mc)
 
         run.model_class = model

@@ -44,6 +44,7 @@ at 7,939 queries (docs/ffn.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from ...errors import BudgetExceeded, ConvergenceError, ModelMismatch, NotIdenti
 from ...models.ffn import ReLUFFN, compare_ffn
 from ...oracles.base import Oracle
 from ..check import FFN, checked
+from .ffn_check import ffn_preflight, ffn_verdict
 from ..probes import Progress, looks_float32
 from ..result import Fidelity
 from .kinks import find_kinks
@@ -731,8 +733,38 @@ def _resolve_flips(Cx: np.ndarray, lx: np.ndarray, rng: np.random.Generator,
 # ---------------------------------------------------------------------------------------------------
 # the method
 
+MAX_PATHS_F32 = 10
+"""Paths searched at most on float32 answers: close kinks merge on a chord more often there, so phantoms
+and neurons seen on only some chords take more paths to settle (each costs ~7 queries per kink)."""
 
-@checked(FFN)
+QUIET_PATHS_F32 = 2
+
+EXTRA_PATHS_F32 = 4
+"""Paths added (float32) while the recovered neurons do not explain the values read to their precision."""
+
+FIT_LIMIT_EPS = 256
+"""The values read (kink lines, away from kinks) must be fit to ``FIT_LIMIT_EPS eps`` of their largest
+(float32: 1.5e-5). Each carries at most ``16 eps`` of rounding at that scale (the tolerance of
+:func:`_refine_lines`), so a fit 16 times worse has a neuron missing or misplaced: a missing neuron of
+output weight ``gamma`` leaves ``~gamma`` of residual (measured on d = 16, m = 32: 1.3e-6 when every
+neuron is found, 7e-5 to 5e-2 with one missing)."""
+"""Consecutive paths that must change nothing before the float32 learner stops (one on float64)."""
+
+
+def _describe_unexplained(unexplained, ctx) -> str:
+    """Which kinks stayed unexplained on the last path, and why, for the error message."""
+    if not unexplained:
+        return ("the recovered neurons kept changing (a neuron dropped as a phantom came back), so two of them "
+                "are probably closer than float32 answers resolve")
+    parts = []
+    for _, nu in unexplained[:4]:
+        parts.append(f"a kink with jump {nu.gamma:.3g} across normal {np.array2string(nu.n[:3], precision=3)}... "
+                     "that no hyperplane fit to kink points confirmed")
+    more = f" and {len(unexplained) - 4} more" if len(unexplained) > 4 else ""
+    return "; ".join(parts) + more
+
+
+@checked(FFN, preflight=ffn_preflight, verdict=ffn_verdict)
 def extract_ffn(
     oracle: Oracle,
     *,
@@ -793,7 +825,7 @@ def extract_ffn(
 
     max_evals = 200_000
     if max_paths is None:
-        max_paths = 6 if ctx.f32 else 4
+        max_paths = MAX_PATHS_F32 if ctx.f32 else 4
 
     # 1. kinks on the first path; 2. region gradients along it
     P, Q, R = _path(ctx, rng)
@@ -826,10 +858,26 @@ def extract_ffn(
     paths = 1
     added = dropped = 0
     kinks_per_path = [kinks1]
+    quiet = 0                  # consecutive paths that changed nothing
+    extra = 0                  # paths added because the values read were not explained (float32)
+    last_fit = None
+    best = None                # (fit, neurons) at the best quiet stop so far (float32)
+    unsettled = ""             # float32: what the last path still showed when max_paths ran out
+    unexplained: list = []
     while True:
+        if paths >= max_paths and best is not None:
+            neurons = [dataclasses.replace(nu) for nu in best[1]]     # the extra paths did not do better
+            break
+        if paths >= max_paths and ctx.f32 and neurons:
+            # float32: kinks that keep coming back without a hyperplane fit to kink points are neurons too
+            # close to another (or too small) for these answers; keep what was pinned down, say which were
+            # not, and let the values read (below) and the model check judge the result
+            unsettled = _describe_unexplained(unexplained, ctx)
+            break
         if paths >= max_paths:
-            raise ConvergenceError(f"ffn: {max_paths} paths searched and the last still showed kinks no recovered "
-                                   "neuron explains (raise max_paths, or the target is not a ReLU network)")
+            raise ConvergenceError(
+                f"ffn: {max_paths} paths searched and the last still showed kinks no recovered neuron explains: "
+                + _describe_unexplained(unexplained, ctx) + " (raise max_paths, or the target is not a ReLU network)")
         P, Q, R = _path(ctx, rng)
         segs = _search_path(ctx, P, Q, R, max_evals=max_evals)
         paths += 1
@@ -867,7 +915,24 @@ def extract_ffn(
             before = len(neurons)
             neurons = _merge(neurons, tol=1e-6, gtol=0.05)
             dropped += before - len(neurons)
-        if not changed:
+        unexplained = [(k, nu) for k, (nu, _) in enumerate(new)]
+        quiet = 0 if changed else quiet + 1
+        # float32: one quiet path may be luck (a merged pair or a kink too small for this chord's noise);
+        # two in a row, in independent directions, are the stopping rule
+        if quiet >= (QUIET_PATHS_F32 if ctx.f32 else 1):
+            if ctx.f32 and extra < EXTRA_PATHS_F32 and neurons and ctx.samples:
+                # the values read so far must be explained to the answers' precision; a neuron dropped as a
+                # phantom, or one whose kinks were too small for the chords seen, shows here: try harder
+                fit = _fit_output(ctx, np.array([nu.n for nu in neurons]), np.array([nu.gamma for nu in neurons]),
+                                  np.zeros(D))[2]
+                if math.isfinite(fit) and (best is None or fit < best[0]):
+                    best = (fit, [dataclasses.replace(nu) for nu in neurons])
+                if math.isfinite(fit) and fit > FIT_LIMIT_EPS * ctx.eps:
+                    extra += 1
+                    max_paths += 1
+                    quiet = 0
+                    last_fit = fit
+                    continue
             break
     if not neurons:
         raise ModelMismatch("the target does not behave like a ReLU network on one-token queries: kinks were "
@@ -950,6 +1015,16 @@ def extract_ffn(
         diagnostics["hyperplanes_from_kink_points"] = m_rec - unfit
         diagnostics["output_fit_rel_residual"] = fit_rel
         diagnostics["output_fit_samples"] = len(ctx.samples)
+        diagnostics["extra_paths"] = extra
+        if fit_rel is not None and math.isfinite(fit_rel) and fit_rel > FIT_LIMIT_EPS * eps:
+            diagnostics["warning"] = (f"the recovered neurons fit the values read only to {fit_rel:.2g} of their "
+                                      f"largest (the answers allow {FIT_LIMIT_EPS * eps:.2g}) after {paths} paths: a "
+                                      "neuron is missing or misplaced (its kinks closer to another's, or smaller, "
+                                      "than float32 answers resolve)")
+    if unsettled:
+        diagnostics["unsettled"] = unsettled
+        diagnostics["warning"] = (f"{max_paths} paths searched and the last still showed kinks no recovered neuron "
+                                  f"explains: {unsettled}")
     if unfit:
         diagnostics["warning"] = (f"{unfit} neuron(s) kept their gradient-jump hyperplane (too few kink points "
                                   "on it): coarser precision")

@@ -1,5 +1,9 @@
 """The model check for ReLU FFNs on one-token queries (the ``FFN`` class of :mod:`..check`).
 
+The FFN learner hands these functions to :func:`~headthief.extraction.check.checked`; this module needs
+only :mod:`..precision` (no import of :mod:`..check`, which would be a circle), and registers itself so
+that ``check.preflight(oracle, model=FFN)`` finds it once imported.
+
 **Before** (at most 16 one-token queries): identities every member of the class satisfies.
 
 - Without biases (``w^T ReLU(A^T x)``): *zero token* ``f(0) = 0``; *homogeneity* ``f(2a) = 2 f(a)`` and
@@ -15,6 +19,8 @@ stopped by the method itself: it finds no kink (:class:`ModelMismatch`, check ``
 
 **After**: the fidelity on fresh Gaussian one-token points *and* on points next to every recovered kink
 (a quarter of its isolation margin away, on both sides), where a missed or imprecise neuron shows first.
+Some of the Gaussian points lie on short segments that measure the answers' noise, and the threshold
+follows it (:func:`~headthief.extraction.precision.fidelity_threshold`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import numpy as np
 
 from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
-from ..check import (FFN, AnswerKind, Identity, ModelCheck, answer_kind, fidelity_threshold, fidelity_verdict,
-                     inconclusive_detail, method_resolution)
+from ..precision import (FFN, NOISE_POINTS, AnswerKind, Identity, ModelCheck, answer_kind, answer_noise,
+                         fidelity_threshold, fidelity_verdict, inconclusive_detail, method_resolution,
+                         noise_sequences, register_class_check, threshold_source)
 
 HINTS = {
     "zero token": "f(0) != 0: the FFN has an output bias (pass --bias / bias=True, or use an ffn:...,bias=1 target)",
@@ -108,9 +115,8 @@ def ffn_verdict(res, oracle: Oracle, *, n: int = 256, rng: np.random.Generator |
                           detail="no fresh points asked (verify n = 0)")
     g = np.random.default_rng(rng)
     R = oracle.input_norm
-    Z = g.standard_normal((n, res.d))
-    if R is not None:
-        Z *= 0.999 * R / np.maximum(np.linalg.norm(Z, axis=1, keepdims=True), 1e-300)
+    seqs, k_noise = noise_sequences(res.d, n, g, input_norm=R, one_token=True)
+    Z = np.array([s[-1] for s in seqs]).reshape(n, res.d)
     near = res.near_kink_points(rng=g) if hasattr(res, "near_kink_points") else np.zeros((0, res.d))
     if R is not None and near.size:
         near = near[np.linalg.norm(near, axis=1) <= R]
@@ -131,19 +137,21 @@ def ffn_verdict(res, oracle: Oracle, *, n: int = 256, rng: np.random.Generator |
     fig_kink = float(err[n:].max() / max(rms, 1e-300)) if err.size > n else 0.0
     figure = max(fig_rand, fig_kink)
     resolution = method_resolution(res)
-    threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution)
+    noise = answer_noise(y[n - k_noise * NOISE_POINTS:n]) if k_noise else None
+    threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution, noise=noise)
+    src = threshold_source(kind, noise, rms)
     what = (f"fidelity {fig_rand:.3g} on {n} random points, {fig_kink:.3g} on {err.size - n} points next to "
             f"the {len(res.kinks)} recovered kinks")
     if fidelity_verdict(figure, threshold) == "inconclusive":
         return ModelCheck("inconclusive", FFN, kind.describe(), ids, cq, figure, threshold, vq,
-                          detail=inconclusive_detail(what, threshold, kind))
+                          detail=inconclusive_detail(what, threshold, kind), noise=noise)
     ok = figure <= threshold
     mc = ModelCheck("pass" if ok else "fail", FFN, kind.describe(), ids, cq, figure, threshold, vq,
-                    detail=f"{what}; threshold {threshold:.3g} from {kind.describe()} answers")
+                    detail=f"{what}; threshold {threshold:.3g} from {src}", noise=noise)
     if not ok:
         err_ = ModelMismatch(
             f"the target does not behave like a {FFN}: the recovered network's {what}; the worst exceeds "
-            f"{threshold:.3g}, the most that {kind.describe()} answers explain (a neuron missed or recovered "
+            f"{threshold:.3g}, the most that {src} explains (a neuron missed or recovered "
             "imprecisely, or the target is not a ReLU network) (--no-check skips the check)",
             check="fidelity", figure=figure, threshold=threshold,
             hint="not a ReLU network, or a neuron missed (a rarely active one)")
@@ -151,3 +159,6 @@ def ffn_verdict(res, oracle: Oracle, *, n: int = 256, rng: np.random.Generator |
         err_.result = dataclasses.replace(res, check=mc)
         raise err_
     return mc
+
+
+register_class_check(FFN, ffn_preflight, ffn_verdict)

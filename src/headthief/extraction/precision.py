@@ -1,0 +1,311 @@
+"""What the answers are and how precise they are: the pieces the model checks share.
+
+:mod:`headthief.extraction.check` (attention heads, transformers) and
+:mod:`headthief.extraction.transformer.ffn_check` (ReLU FFNs) both import from here, and neither imports
+the other: the model classes' names, :class:`AnswerKind` (float64, float32, a tolerance, bits), the records
+of a check (:class:`Identity`, :class:`ModelCheck`), and the fidelity threshold.
+
+**The fidelity threshold follows the precision measured on the answers** (float32 answers). A fixed
+worst-case bound (``2000 d eps``: 1.9e-3 at d = 16, 0.046 at d = 384) let runs ten times worse than their
+method's precision pass. Instead the check measures the answers' own noise, ``sigma``, from the answers
+(:func:`noise_sequences`, :func:`answer_noise`): along a few short segments ``x_N + t h u`` of the last
+token (``h = 1e-4 |x_N|``, six points each) the exact answer is smooth (analytic for attention, linear
+between the kinks of a ReLU network), so a quadratic fits it to far below float32 rounding (the cubic
+term is ``~1e-12`` relative), and the residual of that fit is the rounding the black box put into its
+answers: how far they are from what exact arithmetic would give. The median over the segments ignores
+a segment that crosses a kink. Measured ``sigma / rms``: 9.8e-8 (``ffn:d=16,m=32,dtype=float32``),
+3.8e-8 (``torch-transformer:d=16,m=32``), 1.3e-7 (``torch-mha:d=64,heads=4``), 1.9e-7 (MiniLM layer 2
+head 5, d = 384), 2.6e-16 on float64 answers.
+
+The threshold is then ``K sigma / rms`` with ``K =`` :data:`NOISE_AMPLIFICATION` (1000), see
+:func:`fidelity_threshold` for the argument. The segments' points are among the ``verify`` fresh
+sequences (the fidelity is measured on them too), so the check costs no extra query.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..oracles.base import Oracle, oracle_stack
+
+SINGLE = "single-head attention"
+MULTI = "multi-head attention"
+FFN = "ReLU feed-forward network"   # one-token queries; its identities and verdict: transformer/ffn_check.py
+TRANSFORMER = "one-layer transformer"
+# classes with a nonlinearity after the attention: one-token answers are not affine in the token
+NOT_AFFINE = {TRANSFORMER}
+CHECK_SEED = 0x5EED
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One identity tested before the extraction: its name, the worst violation and the allowance."""
+
+    name: str
+    ok: bool | None          # None: inconclusive (the answers were too imprecise to tell)
+    violation: float
+    allowed: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "violation": _num(self.violation), "allowed": _num(self.allowed)}
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """What the model check found.
+
+    Attributes:
+        verdict: ``"pass"``, ``"fail"``, ``"inconclusive"`` (the answers or the method's resolution cannot
+            tell), or ``"unchecked"`` (skipped, or the budget ran out first).
+        model: the assumed class.
+        answers: what the answers were read as (``float64``, ``float32``, ``tolerance 1e-06``, ``sign-only``).
+        identities: the identities tested before the extraction.
+        check_queries: queries the identities cost (apart from the method's ``queries``).
+        figure, threshold: the fidelity on fresh sequences and the largest the answers' precision explains.
+        verify_queries: queries the fidelity cost.
+        detail: a sentence for people.
+        noise: the answers' noise measured on the fresh sequences (absolute; :func:`answer_noise`), when
+            the threshold was derived from it.
+    """
+
+    verdict: str
+    model: str
+    answers: str = ""
+    identities: tuple[Identity, ...] = ()
+    check_queries: int = 0
+    figure: float | None = None
+    threshold: float | None = None
+    verify_queries: int = 0
+    detail: str = ""
+    noise: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "model": self.model, "answers": self.answers,
+                "figure": _num(self.figure), "threshold": _num(self.threshold),
+                "check_queries": self.check_queries, "verify_queries": self.verify_queries,
+                "identities": [i.as_dict() for i in self.identities], "detail": self.detail,
+                "noise": _num(self.noise)}
+
+
+def _num(x):
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# what the answers are
+
+
+@dataclass(frozen=True)
+class AnswerKind:
+    """How precise the oracle's answers are: ``sign`` (bits), ``tau`` (a tolerance), or floats."""
+
+    sign: bool = False
+    tau: float = 0.0
+    float32: bool = False
+
+    @property
+    def eps(self) -> float:
+        return 2.0 ** -24 if self.float32 else 2.0 ** -53
+
+    def describe(self) -> str:
+        if self.sign:
+            return "sign-only"
+        base = "float32" if self.float32 else "float64"
+        return f"{base}, tolerance {self.tau:g}" if self.tau > 0 else base
+
+
+def answer_kind(oracle: Oracle, answers: np.ndarray | None = None) -> AnswerKind:
+    """Read the oracle stack (SignOnly, Tolerance wrappers) and, from answers, float32 or not."""
+    from ..oracles.sign_only import SignOnly
+    from ..oracles.tolerance import Tolerance
+    from .probes import looks_float32
+    sign, tau = False, 0.0
+    for o in oracle_stack(oracle):
+        if isinstance(o, SignOnly):
+            sign = True
+        elif isinstance(o, Tolerance):
+            tau += o.tau
+        else:       # a model API says what its answers are (HTTPOracle: noisy:TAU, rounded:K, sign)
+            sign = sign or bool(getattr(o, "answer_sign", False))
+            tau += float(getattr(o, "answer_tau", 0.0))
+    f32 = bool(answers is not None and not sign and looks_float32(answers))
+    return AnswerKind(sign=sign, tau=tau, float32=f32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# after: fidelity against what the precision explains
+
+
+INCONCLUSIVE_THRESHOLD = 1.0
+"""A fidelity threshold at least this large (relative to the output RMS) makes the verdict inconclusive."""
+
+
+def fidelity_verdict(figure: float, threshold: float) -> str:
+    """``"fail"`` above the threshold; ``"inconclusive"`` when the threshold is at least
+    :data:`INCONCLUSIVE_THRESHOLD` (the answers' imprecision explains errors as large as the outputs
+    themselves, so the test cannot tell a right model class from a wrong one); else ``"pass"``."""
+    if figure > threshold:
+        return "fail"
+    return "inconclusive" if threshold >= INCONCLUSIVE_THRESHOLD else "pass"
+
+
+def inconclusive_detail(what: str, threshold: float, kind) -> str:
+    return (f"{what}; threshold {threshold:.3g} from {kind.describe()} answers is at least "
+            f"{INCONCLUSIVE_THRESHOLD:g} of the output RMS, too loose to tell the model class")
+
+
+NOISE_AMPLIFICATION = 1000.0
+"""``K``: the most a float32 method's answers' noise ``sigma`` may grow into the fidelity figure."""
+
+NOISE_SEGMENTS = 12
+"""Segments the answers' noise is measured on (out of the ``verify`` fresh sequences)."""
+
+NOISE_POINTS = 6
+"""Points per segment (a quadratic fit leaves 3 degrees of freedom for the residual)."""
+
+NOISE_STEP = 1e-4
+"""Half-length of a segment relative to the moved token's norm."""
+
+
+def noise_sequences(d: int, n: int, rng: np.random.Generator, *, input_norm: float | None = None,
+                    one_token: bool = False) -> tuple[list[np.ndarray], int]:
+    """``n`` fresh sequences of which the last ``k * NOISE_POINTS`` lie on ``k`` short segments of the
+    last token (``k = NOISE_SEGMENTS``, fewer when ``n`` is small: none below 64). Returns (sequences, k).
+
+    Each segment moves the last token of a random sequence along a random unit direction, ``x_N + t h u``
+    with ``t`` in [-1, 1] and ``h = NOISE_STEP |x_N|`` (kept inside ``input_norm``).
+    """
+    from .result import random_sequences
+    k = min(NOISE_SEGMENTS, n // 20) if n >= 64 else 0        # at most ~30 % of the sequences
+    n_rand = n - k * NOISE_POINTS
+    if one_token:
+        Z = rng.standard_normal((n, d))
+        if input_norm is not None:
+            Z *= 0.999 * input_norm / np.maximum(np.linalg.norm(Z, axis=1, keepdims=True), 1e-300)
+        seqs = [z[None, :] for z in Z[:n_rand]]
+        bases = [z[None, :] for z in Z[n_rand:n_rand + k]]
+    else:
+        seqs = [np.asarray(s, dtype=np.float64) for s in
+                random_sequences(d, n_rand + k, rng=rng, input_norm=input_norm)]
+        bases = seqs[n_rand:]
+        seqs = seqs[:n_rand]
+    ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
+    for X in bases:
+        X = np.array(X, dtype=np.float64)
+        x = X[-1]
+        nx = float(np.linalg.norm(x))
+        if input_norm is not None and nx > 0:
+            x = x * min(1.0, (1.0 - 2.0 * NOISE_STEP) * input_norm / nx)
+            nx = float(np.linalg.norm(x))
+        u = rng.standard_normal(d)
+        u /= max(float(np.linalg.norm(u)), 1e-300)
+        h = NOISE_STEP * max(nx, 1e-300)
+        for t in ts:
+            Y = X.copy()
+            Y[-1] = x + t * h * u
+            seqs.append(Y)
+    return seqs, k
+
+
+def answer_noise(y_segments: np.ndarray) -> float | None:
+    """The answers' noise ``sigma`` from the answers on :func:`noise_sequences`' segments ((k, points)):
+    the median over segments of the RMS residual of a quadratic fit (``points - 3`` degrees of freedom).
+    None without segments."""
+    Y = np.asarray(y_segments, dtype=np.float64).reshape(-1, NOISE_POINTS)
+    if Y.shape[0] == 0:
+        return None
+    ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
+    V = np.vander(ts, 3)
+    P = V @ np.linalg.pinv(V)
+    r = Y - Y @ P.T
+    s = np.sqrt(np.sum(r ** 2, axis=1) / (NOISE_POINTS - 3))
+    return float(np.median(s))
+
+
+def fidelity_threshold(kind: AnswerKind, d: int, rms: float, *, resolution: float = 0.0,
+                       noise: float | None = None) -> float:
+    """The largest fidelity (max abs error / RMS of the answers) that the answers' precision explains.
+
+    - float32 answers with a measured noise ``sigma`` (``noise``, :func:`answer_noise`):
+      ``K max(sigma, eps rms / 2) / rms`` with ``K = NOISE_AMPLIFICATION = 1000``. The argument: the
+      fidelity's points carry the answers' own error (at most ~4 sigma over 256 points); the methods read
+      their parameters from differences of answers over steps no shorter than ~1/250 of the tokens' scale
+      (finite differences and kink locations with quarter-margin steps in the FFN learner, probe steps of
+      Theorem 4.1, an attention weight read through a monotone FFN segment whose slope is at least a
+      quarter of its first), each difference dividing the noise by the step, and a final solve whose
+      conditioning the methods keep below ~4 (orthogonal designs): 250 * 4 = 1000. Measured by this check,
+      in units of its own sigma (medians): 70 (FFN learner, ``ffn:d=16,m=32,dtype=float32``, seeds
+      101-120), 170 (``transformer`` on ``torch-transformer:d=16,m=32``, seeds 101-120), 90 and 230
+      (``exact`` and ``lowrank`` on MiniLM head (2, 5), d = 384), 70 (``multihead`` on
+      ``torch-mha:d=64,heads=4``). So a run ~5x worse than the worst of these, or >10x an FFN's, fails:
+      thresholds ~7e-5 on ``ffn:d=16,m=32,dtype=float32``, ~5e-5 on ``torch-transformer:d=16,m=32``,
+      1.4e-4 on torch-mha and 1.9e-4 on MiniLM head (2, 5) (lowrank 4.3e-5, exact 1.7e-5), where the bound
+      ``2000 d eps`` gave 1.9e-3, 1.9e-3, 7.6e-3 and 4.6e-2. The floor ``eps rms / 2`` is the final
+      rounding of an answer of size rms, which
+      no black box avoids (it keeps the threshold positive when every segment happened to round alike);
+    - float32 answers without a measurement (fewer than 64 fresh sequences): the worst case
+      ``2000 d eps`` (eps = 2^-24);
+    - float64: ``2000 d eps + 1e-9`` (eps = 2^-53; the 1e-9 floor is the float64 solvers' stopping rules):
+      1e-13 measured on float64 exact heads at d = 64, 6e-11 with the ALS solver;
+    - a tolerance tau: ``(2 + 1e4 sqrt(d)) tau / rms``: the answers' own ``2 tau`` and the estimators'
+      amplification of tau into parameter errors under an input-norm bound (measured up to ~3e3 sqrt(d)
+      for Theorem 6.1's estimator at ``||W||_F = 8``);
+    - the method's own resolution (a relative parameter error it reaches with exact answers, e.g. a
+      convex solver's tolerance, :func:`method_resolution`): ``10 * d * resolution``.
+    """
+    rms = max(float(rms), 1e-300)
+    if kind.float32 and noise is not None and math.isfinite(noise):
+        thr = NOISE_AMPLIFICATION * max(float(noise), 0.5 * kind.eps * rms) / rms
+    else:
+        thr = 2000.0 * d * kind.eps + (1e-9 if not kind.float32 else 0.0)
+    if kind.tau > 0:
+        thr += (2.0 + 1e4 * math.sqrt(d)) * kind.tau / rms
+    thr += 10.0 * d * resolution
+    return float(thr)
+
+
+def threshold_source(kind: AnswerKind, noise: float | None, rms: float) -> str:
+    """Where a fidelity threshold came from, for people: the answer kind and the measured noise."""
+    base = f"{kind.describe()} answers"
+    if kind.float32 and noise is not None and math.isfinite(noise):
+        return f"{base} (noise measured on them: {noise / max(rms, 1e-300):.2g} of the RMS, x{NOISE_AMPLIFICATION:g})"
+    return base
+
+
+def method_resolution(res) -> float:
+    """The relative parameter error a method reaches with exact answers (0 for the exact algorithms).
+
+    ``diagnostics["resolution"]`` where a method states it; else the convex program's solver tolerance
+    (1e-6) for ``rop --solver convex``, and for Theorem B.1's sphere estimator its Hoeffding error
+    ``sqrt(2 log(2 d / 0.1) / k)`` with k sphere queries.
+    """
+    diag = res.diagnostics
+    if "resolution" in diag:
+        return float(diag["resolution"])
+    if res.method == "rop" and diag.get("solver") == "convex":
+        return 1e-6
+    if res.method == "membership-paper" and diag.get("k"):
+        return math.sqrt(2 * math.log(2 * res.d / 0.1) / float(diag["k"])) + float(diag.get("eps_W", 0.0))
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# model classes with their own check
+
+
+CLASS_CHECKS: dict[str, tuple[Callable, Callable]] = {}
+"""``model class -> (preflight, verdict)`` for classes whose check lives beside their method (the FFN's in
+:mod:`headthief.extraction.transformer.ffn_check`, which registers itself when imported); the model
+check dispatches to them without importing them."""
+
+
+def register_class_check(model: str, preflight: Callable, verdict: Callable) -> None:
+    """Let :func:`headthief.extraction.check.preflight` / ``verdict`` hand ``model`` to these functions."""
+    CLASS_CHECKS[model] = (preflight, verdict)
