@@ -252,3 +252,18 @@ def test_an_unexpected_error_in_a_query_is_a_logged_500_not_a_dropped_connection
         assert r.status_code == 500 and r.json() == {"error": "internal", "detail": "internal server error"}
         assert c.get("/v1/info").json()["d"] == D                   # the other routes are unaffected
     assert any("a bug" in (rec.exc_text or "") or "a bug" in str(rec.exc_info) for rec in caplog.records)
+
+
+@pytest.mark.parametrize("limits, d, max_body, fitted", [
+    ((4096, 4096), 64, 64 * 2**20, (4096, 32)),      # the defaults at d = 64 (issue 17)
+    ((4096, 4096), 8, 64 * 2**20, (4096, 256)),
+    ((4096, 4096), 384, 64 * 2**20, (682, 32)),      # still room for the exact method's 383-sequence batches
+    ((64, 16), D, 200_000, (64, 16)),                # limits that fit are kept (this module's server)
+    ((16, 4096), 64, 64 * 2**20, (16, 4096)),        # long sequences in small batches: kept
+    ((4096, 4096), 64, 1000, (1, 1)),
+])
+def test_the_batch_limits_are_fitted_to_the_byte_limit(limits, d, max_body, fitted):
+    from headthief.server.app import fit_limits
+    assert fit_limits(*limits, d, max_body) == fitted
+    b, n = fitted
+    assert b * n * d * 8 <= max_body or fitted == (1, 1)

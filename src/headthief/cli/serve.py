@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--noise-mode", default=None, help="adversarial (default) | uniform | round:K (implies TAU)")
     g.add_argument("--sign-only", action="store_true", help="answer only 1 if f(X) > 0 else 0")
     g.add_argument("--input-norm", type=float, default=None, metavar="R", help="refuse tokens with ||x|| > R")
-    g.add_argument("--max-batch", type=_positive_int, default=4096, metavar="N", help="most sequences per request (4096)")
-    g.add_argument("--max-len", type=_positive_int, default=4096, metavar="N", help="most tokens per sequence (4096)")
+    g.add_argument("--max-batch", type=_positive_int, default=4096, metavar="N", help="most sequences per request (default 4096, lowered so that a full batch fits --max-body-bytes)")
+    g.add_argument("--max-len", type=_positive_int, default=4096, metavar="N", help="most tokens per sequence (default 4096, lowered first, not below 32, so that a full batch fits "
+                        "--max-body-bytes)")
     g.add_argument("--max-body-bytes", type=_positive_int, default=64 * 2**20, metavar="B",
                    help="largest .npy or sparse body (64 MiB; held about once in memory)")
     g.add_argument("--max-json-bytes", type=_positive_int, default=8 * 2**20, metavar="B",
@@ -166,7 +167,8 @@ def run(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print("headthief: warning: listening beyond loopback without TLS; put a TLS proxy in front", file=sys.stderr)
     print(f"headthief: serving {args.target} on {url} (database {args.db}; defences "
-          f"{defence.settings() or 'none'}; Idempotency-Key {'required' if args.require_idempotency else 'optional'}"
+          f"{service.defence.settings() or 'none'}; limits {service.defence.max_batch} sequences x "
+          f"{service.defence.max_len} tokens; Idempotency-Key {'required' if args.require_idempotency else 'optional'}"
           f"{'; ledger sync=normal: not durable against power loss' if args.sync == 'normal' else ''})",
           file=sys.stderr, flush=True)
 

@@ -8,10 +8,11 @@
 3. an ``Idempotency-Key`` header, if sent, has 1 to 255 characters, else **400**; without one the
    request is answered and charged every time it is sent (``--require-idempotency``: **400**);
 4. the content type is JSON, ``application/x-npy`` or ``application/x-headthief-sparse``, else **415**;
-   a JSON body above ``max_json_bytes`` is not parsed: **422** if its separators show more than
-   ``max_batch`` sequences or ``max_len`` tokens in one, else **413**; the body decodes into sequences of the published dimension, every entry finite and every token within
-   the input-norm bound, at most ``max_batch`` sequences of at most ``max_len`` tokens, else **422**
-   naming the problem;
+   a JSON body above ``max_json_bytes`` is not parsed: **422** if its brackets and commas show more
+   than ``max_batch`` elements or ``max_len`` in one (:func:`~headthief.server.framing.json_batch_excess`),
+   else **413**; the body decodes into sequences of the published dimension, every entry finite and
+   every token within the input-norm bound, at most ``max_batch`` sequences of at most ``max_len``
+   tokens, else **422** naming the problem;
 5. the key's rate limit has a request left, else **429** with ``Retry-After``;
 6. the key is not refused by the query-distribution detector, else **403** (``error: flagged``);
 7. the idempotency key: already charged with the same payload: the stored response again, free;
@@ -20,6 +21,12 @@
 8. the budget covers the batch, else **403** (``error: budget_exceeded``, with ``spent`` and ``budget``);
 9. the answers are computed, charged and stored in one transaction (see
    :mod:`headthief.server.accounts`), then sent.
+
+The published (and enforced) ``max_batch`` and ``max_len`` are fitted to the byte limit
+(:func:`fit_limits`: a full batch fits ``max_body_bytes`` as float64), so a batch just beyond them in
+any framing is small enough to read and is answered 422, never 413; 413 is left for bodies that are
+merely too many bytes (long decimals, whitespace, or a JSON batch within the limits above
+``max_json_bytes``: send it as ``.npy``).
 
 Memory: a request holds its body (at most ``max_body_bytes``; an ``.npy`` body is decoded in place),
 and parsing a JSON body costs about ten times its size in Python objects, so JSON bodies are parsed
@@ -54,6 +61,27 @@ QUERY_THREADS = 40          # query requests computed at once (as many as Starle
 MAX_IDEM_KEY = 255
 AUTO_KEY_PREFIX = "auto:"      # + 128 random bits: the ledger key of a request sent without an Idempotency-Key
 MAX_ABS_ENTRY = 1e100     # larger entries overflow the head's scores (x^T W x) in float64: refused, 422
+MIN_FIT_LEN = 32          # fit_limits shortens max_len first, but not below this (verification probes: 1..32 tokens)
+
+
+def fit_limits(max_batch: int, max_len: int, d: int, max_body_bytes: int) -> tuple[int, int]:
+    """The batch limits a server publishes and enforces: ``max_batch`` sequences of ``max_len`` tokens,
+    lowered where needed so that a full batch fits the byte limit as float64
+    (``max_batch * max_len * d * 8 <= max_body_bytes``, what an ``.npy`` or sparse body may hold).
+
+    Without this the published limits are promises the server cannot keep together (the defaults, 4096
+    sequences of 4096 tokens at d = 64, are 8.6 GB as ``.npy``), and a batch one sequence beyond them
+    is hundreds of MB to GB that the server refuses unread (413) instead of naming the excess (422):
+    Schemathesis builds such a batch from the schema's ``maxItems``. Fitted, a batch of ``max_batch
+    + 1`` sequences of up to ``max_len`` tokens is at most about one byte limit of JSON (~5 bytes a
+    number, against 8 for float64), so it is read and answered 422. ``max_len`` is lowered first (to
+    ``max(MIN_FIT_LEN, fit)``: extraction sends many short sequences), then ``max_batch``; limits that
+    already fit are kept as given."""
+    cap = max(1, int(max_body_bytes) // (8 * int(d)))      # tokens a body of max_body_bytes holds
+    if max_batch * max_len <= cap:
+        return max_batch, max_len
+    max_len = max(1, min(max_len, max(MIN_FIT_LEN, cap // max_batch), cap))
+    return max(1, min(max_batch, cap // max_len)), max_len
 
 
 class Problem(Exception):
@@ -103,7 +131,7 @@ class Service:
         self.max_json_bytes = int(max_json_bytes)
         self.require_idempotency = bool(require_idempotency)
         self.accounts = db if isinstance(db, Accounts) else Accounts(db, sync=sync)
-        self.defence = defence or Defence()
+        self.defence = self._fit(defence or Defence())
         self._oracles: dict[Defence, Any] = {}
         self._prada: dict[int, Prada] = {}
         self._prada_lock = threading.Lock()
@@ -140,8 +168,14 @@ class Service:
     def __repr__(self) -> str:
         return f"Service({self.target.spec!r}, {self.accounts!r}, defence={self.defence.settings()})"
 
+    def _fit(self, defence: Defence) -> Defence:
+        """``defence`` with its batch limits fitted to the byte limit (:func:`fit_limits`)."""
+        from dataclasses import replace
+        b, n = fit_limits(defence.max_batch, defence.max_len, self.target.d, self.max_body_bytes)
+        return defence if (b, n) == (defence.max_batch, defence.max_len) else replace(defence, max_batch=b, max_len=n)
+
     def defence_for(self, rec: KeyRecord) -> Defence:
-        return parse_defence(rec.defence, self.defence) if rec.defence else self.defence
+        return self._fit(parse_defence(rec.defence, self.defence)) if rec.defence else self.defence
 
     def oracle_for(self, defence: Defence):
         o = self._oracles.get(defence)
@@ -465,7 +499,8 @@ def create_app(service: Service):
                                   "(`idempotency_key_reused`)", retry_after),
                          413: err(f"a body of more than max_body_bytes ({service.max_body_bytes}) bytes, or a JSON "
                                   f"body of more than max_json_bytes ({service.max_json_bytes}) within the batch "
-                                  "limits"),
+                                  "limits (a batch beyond them is 422: max_batch and max_len are fitted so that "
+                                  "a full batch fits max_body_bytes as float64)"),
                          415: err("unsupported content type"),
                          422: err("a malformed batch: it does not decode, a wrong dimension, an empty sequence, "
                                   "a non-finite or too large entry, a token beyond the input-norm bound, more "

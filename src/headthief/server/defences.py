@@ -9,7 +9,9 @@ threat-model wrappers of :mod:`headthief.oracles`:
   the noise, and deterministic per query, so asking again does not average it away);
 - ``sign=1``: only whether the answer is positive (:class:`~headthief.oracles.SignOnly`);
 - ``norm=R``: tokens with ``||x|| > R`` are refused (422);
-- ``max_batch=N``, ``max_len=N``: the most sequences per request and tokens per sequence (413);
+- ``max_batch=N``, ``max_len=N``: the most sequences per request and tokens per sequence (422 beyond);
+  the server lowers them where a full batch would not fit its byte limit
+  (:func:`headthief.server.app.fit_limits`);
 - ``prada=flag|refuse[,prada_delta=W][,prada_min=N]``: the query-distribution detector below.
 
 PRADA (Juuti, Szyller, Marchal, Asokan, "PRADA: Protecting against DNN Model Stealing Attacks",

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -89,29 +88,52 @@ def decode_json(body: bytes) -> "list[np.ndarray] | np.ndarray":
     return out
 
 
-_SEQ_SEP = re.compile(rb"\]\s*\]\s*,\s*\[\s*\[")     # between two sequences: ]],[[
-_TOK_SEP = re.compile(rb"\]\s*,\s*\[")                # between two tokens: ],[
+SCAN_CHUNK = 2**20      # bytes scanned at once by json_batch_excess (its temporaries: ~8 bytes per byte of a chunk)
 
 
 def json_batch_excess(body, max_batch: int, max_len: int) -> "tuple[str, str] | None":
     """For a JSON body too large to parse: whether it has more sequences than ``max_batch`` or a sequence
-    of more tokens than ``max_len``, counted from its separators (``]],[[``, ``],[``) without parsing
-    (no Python objects: a few match objects, at most ``max_batch + 1`` of them, and a scan of the
-    bytes). ``(error, detail)`` for the first excess found, None if neither (or not a batch's shape)."""
-    seps = []
-    for m in _SEQ_SEP.finditer(body):
-        seps.append((m.start(), m.end()))
-        if len(seps) >= max_batch:
+    of more tokens than ``max_len``, counted without parsing. The bracket depth of every byte is a running
+    sum of ``[`` (+1) and ``]`` (-1); the commas at depth 1 separate the elements of the batch, those at
+    depth 2 the elements of one of them, whatever the elements are (lists, numbers, ``false``: a batch
+    of 4,097 things is too large whatever they are). Scanned in chunks of :data:`SCAN_CHUNK` bytes
+    with numpy (no Python object per element; a few MB of temporaries). ``(error, detail)`` (too many
+    sequences before too many tokens, as for a parsed batch), None if neither."""
+    mv = memoryview(body)
+    size = len(mv)
+    depth = 0               # the bracket depth before the chunk
+    n_sep = 0               # commas at depth 1 so far: the batch has n_sep + 1 elements
+    run = 0                 # commas at depth 2 in the current element so far
+    too_long = None
+    for off in range(0, size, SCAN_CHUNK):
+        a = np.frombuffer(mv, dtype=np.uint8, count=min(SCAN_CHUNK, size - off), offset=off)
+        step = (a == 0x5B).view(np.int8) - (a == 0x5D).view(np.int8)
+        after = np.cumsum(step, dtype=np.int64)
+        del step
+        commas = np.flatnonzero(a == 0x2C)
+        dc = after[commas] + depth
+        depth += int(after[-1])
+        del after
+        c1, c2 = commas[dc == 1], commas[dc == 2]
+        del commas, dc
+        if too_long is None and len(c2):
+            # commas at depth 2 per element: those before the chunk's first depth-1 comma continue the
+            # element in progress
+            counts = np.bincount(np.searchsorted(c1, c2), minlength=len(c1) + 1)
+            counts[0] += run
+            over = np.flatnonzero(counts >= max_len)        # counts[i] + 1 tokens
+            if len(over):
+                too_long = n_sep + int(over[0])
+            run = int(counts[-1])
+        elif len(c1):
+            run = 0
+        n_sep += len(c1)
+        if n_sep >= max_batch:
             return "batch_too_large", (f"the batch has more than {max_batch} sequences (counted without parsing: "
                                        f"the body is too large to parse as JSON); the most is {max_batch}")
-    bounds = [0, *(x for s in seps for x in s), len(body)]
-    for i in range(0, len(bounds), 2):
-        k = 1
-        for _ in _TOK_SEP.finditer(body, bounds[i], bounds[i + 1]):
-            k += 1
-            if k > max_len:
-                return "sequence_too_long", (f"sequence {i // 2} has more than {max_len} tokens (counted without "
-                                             f"parsing: the body is too large to parse as JSON); the most is {max_len}")
+    if too_long is not None:
+        return "sequence_too_long", (f"sequence {too_long} has more than {max_len} tokens (counted without "
+                                     f"parsing: the body is too large to parse as JSON); the most is {max_len}")
     return None
 
 
