@@ -239,3 +239,13 @@ def test_lowrank_through_the_hf_module(capsys, hf):
     assert code == 0 and row["rank"] == 32 and row["queries"] <= 2 * D + 1 + 32 * (2 * D - 32) + D + row[
         "oversample_queries"]
     assert row["W_rel_err"] <= 1e-4 and row["c_rel_err"] <= 1e-4 and row["fidelity_max_rel_err"] <= 1e-4
+
+
+def test_bench_summary_counts_heads_whose_model_check_failed():
+    from headthief.cli.bench_real import summarize
+    base = {"rank": 32, "queries": 31261, "W_rel_err": 1e-5, "c_rel_err": 1e-6, "v_rel_err": 1e-7,
+            "beta_abs_err": 1e-9, "seconds": 1.0}
+    rows = [{**base, "fidelity_max_rel_err": 4e-5, "check": "pass"},
+            {**base, "fidelity_max_rel_err": 4e-4, "check": "fail"}, {"error": "ConvergenceError: x"}]
+    s = summarize(rows)
+    assert s["heads"] == 3 and s["failed"] == 1 and s["check_failed"] == 1 and s["fidelity_max"] == 4e-4
