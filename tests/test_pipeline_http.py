@@ -51,3 +51,33 @@ def test_a_value_method_through_a_sign_only_key_is_refused_before_the_first_quer
     r, row = run("--target", s.url, "--api-key", key, "--verify", "0")          # auto: the sign-only method
     assert r.returncode in (0, 5), r.stderr
     assert row["method"] == "membership"
+
+
+MODEL = '''import numpy as np
+rng = np.random.default_rng(11)
+W = rng.standard_normal((16, 16)) / 4
+v = rng.standard_normal(16)
+def f(seqs):
+    out = []
+    for X in seqs:
+        s = X @ W @ X[-1]
+        p = np.exp(s - s.max())
+        out.append(float(p @ (X @ v) / p.sum()))
+    return out
+'''
+
+
+def test_a_provider_serving_its_own_model_is_extracted_as_in_process(tmp_path):
+    import numpy as np
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    with Server(f"py:{model}:f --d 16", tmp_path / "s.sqlite") as s:
+        key = add_key(s.db, "auditor")
+        r, remote = run("--target", s.url, "--method", "exact", "--api-key", key, "--save", tmp_path / "http.npz")
+        assert r.returncode == 0, r.stderr
+        r, local = run("--target", f"py:{model}:f", "--d", "16", "--method", "exact", "--save", tmp_path / "local.npz")
+        assert r.returncode == 0, r.stderr
+        assert remote["queries"] == local["queries"] == 16 * 16 + 16
+        with np.load(tmp_path / "http.npz") as a, np.load(tmp_path / "local.npz") as b:
+            assert np.array_equal(a["W"], b["W"]) and np.array_equal(a["v"], b["v"])
+        assert used(s.db, "auditor") == remote["queries"] + remote["check_queries"] + remote["verify_queries"]
