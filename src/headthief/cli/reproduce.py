@@ -10,7 +10,7 @@ from ..errors import HeadthiefError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="small sizes: about 10 minutes on 2 cores at most")
+    p.add_argument("--quick", action="store_true", help="small sizes: about 25 s on 2 cores")
     p.add_argument("--only", action="append", metavar="NAME",
                    help="only these experiments (repeat or comma-separate); see --list")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
