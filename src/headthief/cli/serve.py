@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .target_options import add_target_arguments, target_from_args
+from .target_options import add_target_arguments, target_from_args, whole_number
 
 INSTALL = ("headthief is not on a package index: from a clone, `bash scripts/setup.sh` (a .venv with every "
            "extra) or `pip install -e '.[serve]'`")
@@ -34,14 +34,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
-    return n
+_positive_int = whole_number("the value")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,14 +15,21 @@ from ..errors import SpecError
 API_KEY_ENV = "HEADTHIEF_API_KEY"
 
 
-def _dimension(text: str) -> int:
-    try:
-        d = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--d must be a whole number (the token dimension), got {text!r}") from None
-    if d < 1:
-        raise argparse.ArgumentTypeError(f"--d must be >= 1, got {d}")
-    return d
+def whole_number(what: str, lo: int = 1):
+    """An argparse type: a whole number >= ``lo``; errors name ``what`` (e.g. ``--d``)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {lo}, got {n}")
+        return n
+    return parse
+
+
+_dimension = whole_number("--d (the token dimension)")
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = True, api_key: bool = True) -> None:
