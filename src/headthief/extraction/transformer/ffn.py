@@ -35,7 +35,10 @@ neural network models", here in homogeneous coordinates):
 **float32 answers** (detected from the raw answers): tolerances scale with that precision, each
 hyperplane is fit by least squares to ``D + 5`` kink points located on short lines across it
 (:func:`_refine_lines`; finite-difference jumps are only good to ~1e-4 there), and the output weights,
-linear term and output bias by least squares over the values read (:func:`_fit_output`); docs/ffn.md.
+linear term and output bias by least squares over the values read (:func:`_fit_output`); a predicted kink
+the search did not report is looked for before its neuron is dropped (:func:`_kink_there`), and when the
+values read stay unexplained a path is searched on the residual of the fit for faint neurons
+(:func:`_residual_path`, :func:`_fit_faint`); docs/ffn.md.
 
 Query count: about ``D`` per region on the path (``m + 2`` regions), ``2 D + 4`` per neuron for the
 refinement, and about ``7`` per kink per path searched (two paths): ``~ 3 D m + 14 m``; d = 32, m = 64 measured
@@ -230,6 +233,7 @@ class _Ctx:
     checks_failed: int = 0
     scale: float = 0.0          # |F| at unit distance from the origin, roughly (from the first answers)
     samples: list = field(default_factory=list)     # (z, F(z)) away from kinks, for the final fit (float32)
+    floor: float = 0.0          # a residual's checks: the answers' own scale per unit distance (their rounding)
 
     @property
     def f32(self) -> bool:
@@ -277,7 +281,7 @@ def _gradient(ctx: _Ctx, y: np.ndarray, rho: float, Fy: float | None = None,
     rhs = np.concatenate([[Fy], (vals[:k] - Fy) / rho])
     g = np.linalg.solve(M, rhs)
     ny = float(np.linalg.norm(y))
-    scale = float(np.linalg.norm(g)) * ny + abs(Fy)
+    scale = max(float(np.linalg.norm(g)) * ny + abs(Fy), ctx.floor * max(ny, 1.0))
     tol = 2.0 ** 10 * ctx.eps * scale * (2.0 + ny / rho)
     ok = abs(vals[k] - g @ pts[k]) <= tol
     for z, Fz in known or ():
@@ -299,6 +303,7 @@ class _Neuron:
     suspect: bool = False
     lines: int = 0         # kink points its hyperplane was fit to (float32 answers), 0 otherwise
     tries: int = 0         # kink-point fits attempted (float32 answers)
+    nerr: float = 0.0      # float32: noise bound of the gradient-jump normal (:func:`_fd_normal_noise`)
 
     @property
     def c(self) -> np.ndarray:
@@ -369,6 +374,7 @@ def _region_jumps(ctx: _Ctx, segs) -> tuple[list[tuple[_Neuron, np.ndarray]], li
         nu = float(np.linalg.norm(U))
         bounds = [0.0] + [k.t for k in kinks] + [1.0]
         G: list[np.ndarray | None] = []
+        R: list[float] = []
         for j in range(len(bounds) - 1):
             lo, hi = bounds[j], bounds[j + 1]
             tm = 0.5 * (lo + hi)
@@ -394,6 +400,7 @@ def _region_jumps(ctx: _Ctx, segs) -> tuple[list[tuple[_Neuron, np.ndarray]], li
             else:
                 grads.append((y, g))
             G.append(g)
+            R.append(rho)
         for i, k in enumerate(kinks):
             gl, gr = G[i], G[i + 1]
             z = A + k.t * U
@@ -408,7 +415,9 @@ def _region_jumps(ctx: _Ctx, segs) -> tuple[list[tuple[_Neuron, np.ndarray]], li
             if nc == 0 or abs(c @ U - J) > r * abs(J) + r * nc * nu or abs(c @ z) > r * nc * np.linalg.norm(z):
                 stats["kinks_unmeasured"] += 1
                 continue
-            found.append((_from_jump(c, U), z))
+            neu = _from_jump(c, U)
+            neu.nerr = _fd_normal_noise(ctx, neu.gamma, min(R[i], R[i + 1]), float(np.linalg.norm(z)))
+            found.append((neu, z))
     return found, grads, stats
 
 
@@ -465,12 +474,46 @@ def _refine(ctx: _Ctx, neurons: list[_Neuron], k: int, *, candidates: int = 256,
         if float(np.linalg.norm(new.n - nu.n)) > rt or abs(new.gamma - nu.gamma) > rt * abs(nu.gamma):
             nu.suspect = True          # not the neuron pass 1 saw (a merged or phantom kink)
             return spent
+        if ctx.f32 and nu.nerr > 0:
+            # coarse answers: the isolation ball can be small, and a faint neuron's jump read there may be
+            # noisier than the one read on the path's long stretches (measured: 3e-4 -> 5.5e-3 in 1 - cos,
+            # torch-transformer:d=16,m=32,seed=116): weigh the two readings by their noise bounds
+            e_new = _fd_normal_noise(ctx, new.gamma, 0.25 * delta, 1.0)
+            w_old, w_new = 1.0 / nu.nerr ** 2, 1.0 / e_new ** 2
+            c = (w_old * nu.c + w_new * new.c) / (w_old + w_new)
+            new = _from_jump(c, nu.n)
+            new.nerr = 1.0 / math.sqrt(w_old + w_new)
+        else:
+            new.nerr = 0.0
         nu.n, nu.gamma, nu.refined, nu.point, nu.margin = new.n, new.gamma, True, y, delta
+        nu.nerr = new.nerr
         if grads is not None:
             grads.extend([(zp, gp), (zm, gm)])
         return spent
     nu.suspect = True
     return spent
+
+
+def _fd_normal_noise(ctx: _Ctx, gamma: float, rho: float, radius: float) -> float:
+    """Noise bound of a gradient-jump normal read on coarse answers by forward differences of step ``rho``
+    at distance ``radius`` from the origin: each value carries ``16 eps`` of ``scale * radius`` (the
+    tolerance :func:`_refine_lines` uses), each difference ``16 eps scale radius / rho``, and the normal's
+    error is that over ``|gamma|``. 0 on float64 answers (not used there)."""
+    if not ctx.f32:
+        return 0.0
+    return 16.0 * ctx.eps * max(ctx.scale, 1e-300) * max(radius, 1.0) / (max(rho, 1e-300) * max(abs(gamma), 1e-300))
+
+
+def _jump_normal_noise(ctx: _Ctx, nu: _Neuron) -> float:
+    """How far a faint neuron's gradient-jump normal may be from the truth on coarse answers: each forward
+    difference of step ``rho`` (a quarter of the isolation margin, :func:`_refine`) carries ``16 eps S /
+    rho`` of the function's scale ``S``; against the jump ``gamma`` that is the normal's error. For most
+    neurons it is far below 0.05; for one whose output weight is ~1e-3 of the others' (torch default init
+    draws a few) it reaches 0.05 to 0.1 (measured 0.054 against this bound's 0.09,
+    ``torch-transformer:d=16,m=32,seed=104``), and a hyperplane that kink points then place correctly
+    must not be called another neuron's for that."""
+    rho = 0.25 * nu.margin if nu.margin > 0 else 1.0 / 16
+    return 16.0 * ctx.eps * max(ctx.scale, 1e-300) / (rho * max(abs(nu.gamma), 1e-300))
 
 
 def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, candidates: int = 512) -> int:
@@ -570,7 +613,7 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, 
         idx = np.delete(idx, worst)          # a point of another kink (a neuron not yet recovered)
     if not fit:
         return spent
-    if float(np.linalg.norm(nn - n)) > 0.05:
+    if float(np.linalg.norm(nn - n)) > max(0.05, 2.0 * _jump_normal_noise(ctx, nu)):
         nu.suspect = True
         return spent
     nu.n = nn
@@ -580,6 +623,8 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, 
         for t, z, val in zip((0, 1, 3, 4), Z[[0, 1, 3, 4]], v[[0, 1, 3, 4]]):
             ctx.samples.append((z, float(val)))
     return spent
+
+
 
 
 def _jump_at(ctx: _Ctx, A: np.ndarray, U: np.ndarray, k, nu_: float, div: float):
@@ -601,7 +646,152 @@ def _jump_at(ctx: _Ctx, A: np.ndarray, U: np.ndarray, k, nu_: float, div: float)
     c = gr - gl
     if float(np.linalg.norm(c)) == 0:
         return None, z, q1 + q2
-    return _from_jump(c, U), z, q1 + q2
+    nu = _from_jump(c, U)
+    nu.nerr = _fd_normal_noise(ctx, nu.gamma, min(hl, hr) / div, float(np.linalg.norm(z)))
+    return nu, z, q1 + q2
+
+
+def _kink_there(ctx: _Ctx, A: np.ndarray, U: np.ndarray, t0: float, J: float, others: np.ndarray,
+                tau: float) -> tuple[bool, int]:
+    """Coarse answers: is the kink a recovered neuron predicts at ``t0`` on the chord ``A + t U`` (slope
+    change ``J``) really there, though the search did not report it? The search can pass over a kink
+    whose slope change is small next to its interval's (its secant test sees the sum of the interval's
+    kinks, and a faint one between two strong ones merges with them); a neuron dropped for that is
+    re-found on a later path, dropped again, and the paths run out with it missing.
+
+    Four values at ``t0 +- h``, ``t0 +- 2 h``, ``h`` below half the distance to every other kink on the
+    chord (predicted or found), give the slopes on each side; each slope carries ``2 tau / h`` of noise
+    (``tau`` the chord's value tolerance), their difference ``4 tau / h``. The kink is there when the
+    slope change is ``J`` to 20 % plus that noise and the two lines meet within ``h`` of ``t0``. When
+    ``4 tau / h`` exceeds ``|J| / 2`` the answers cannot tell: the neuron is not called missing (like a
+    predicted kink below the search's resolution). Returns ``(there, queries)``."""
+    gap = np.abs(others - t0)
+    gap = gap[gap > 1e-12]
+    h = min(1.0 / 64, 0.2 * float(gap.min())) if gap.size else 1.0 / 64
+    noise = 4.0 * tau / max(h, 1e-300)
+    if noise > 0.5 * abs(J):
+        return True, 0
+    ts = np.array([t0 - 2 * h, t0 - h, t0 + h, t0 + 2 * h])
+    v = ctx.F(A[None, :] + ts[:, None] * U[None, :])
+    sl, sr = (v[1] - v[0]) / h, (v[3] - v[2]) / h
+    if abs((sr - sl) - J) > 0.2 * abs(J) + noise:
+        return False, 4
+    tm = (v[2] - v[1] - sr * ts[2] + sl * ts[1]) / (sl - sr)
+    return bool(abs(tm - t0) <= h), 4
+
+
+def _residual_path(ctx: _Ctx, neurons: list[_Neuron], gam: np.ndarray, lin: np.ndarray, rng: np.random.Generator,
+                   *, max_evals: int) -> tuple[list[tuple[_Neuron, np.ndarray]], int]:
+    """Coarse answers, when the recovered neurons do not explain the values read: search a fresh path for
+    kinks of the *residual* ``F(z) - sum_k gamma_k ReLU(n_k^T z) - l^T z`` of the current fit.
+
+    A neuron whose output weight is ~1e-3 of the others' (torch default init draws some) bends ``F`` by a
+    slope change that the search on ``F`` itself often passes over: the secant test of an interval sees
+    the sum of its kinks, and a faint one between strong ones merges with them or stays inside the
+    tolerance. On the residual the recovered neurons' kinks are gone (what is left of them is their
+    error, ~1e-5 of their slope change), so the missing neuron's kink is the only one. The tolerances stay
+    those of the answers (their rounding is that of ``F``, not of the small residual): ``tau = 16 eps S``
+    with ``S`` the fit's scale on the chord (no queries), and the gradient checks use the answers' scale
+    (``floor``). Kinks within ``2e-3`` of a recovered neuron's crossing are that neuron's error, not new
+    neurons. The jump of each new kink is read on the residual, between the stretches the search
+    certified, and returned as a neuron for the usual refinement. Returns ``([(neuron, point)], queries)``.
+    """
+    N = np.array([nu.n for nu in neurons]).reshape(-1, ctx.D)
+    before = ctx.F.spent
+
+    def model(Z):
+        return np.maximum(Z @ N.T, 0.0) @ gam + Z @ lin
+
+    def resid(Z):
+        Z = np.atleast_2d(np.asarray(Z, dtype=np.float64))
+        return ctx.F(Z) - model(Z)
+
+    rctx = dataclasses.replace(ctx, F=resid, floor=2.0 * ctx.scale)
+    out: list[tuple[_Neuron, np.ndarray]] = []
+    P, Q, R = _path(ctx, rng)
+    for A, B in ((P, Q), (Q, R)):
+        U = B - A
+        nu_ = float(np.linalg.norm(U))
+
+        def g(ts, A=A, U=U):
+            return resid(A[None, :] + np.asarray(ts)[:, None] * U[None, :])
+
+        S = float(np.max(np.abs(model(A[None, :] + np.linspace(0.0, 1.0, 5)[:, None] * U[None, :]))))
+        tau = 16.0 * ctx.eps * max(S, 1e-300)
+        try:
+            kinks, _, _ = find_kinks(g, tau=tau, max_evals=max_evals, rng=ctx.rng, h0=1.0 / 16, min_width=4e-6)
+        except ConvergenceError:
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tk = -(N @ A) / (N @ U)
+        known = tk[np.isfinite(tk) & (tk > 0) & (tk < 1)]
+        for k in kinks:
+            if known.size and float(np.min(np.abs(known - k.t))) <= 2e-3:
+                continue
+            found, z, _q = _jump_at(rctx, A, U, k, nu_, 4)
+            if found is not None:
+                out.append((found, z))
+    ctx.checks_failed += rctx.checks_failed - ctx.checks_failed
+    return out, ctx.F.spent - before
+
+
+def _fit_faint(ctx: _Ctx, neurons: list[_Neuron], cand: _Neuron, *, iters: int = 30) -> tuple[_Neuron | None, float]:
+    """Coarse answers: the hyperplane of a faint neuron found on the residual (:func:`_residual_path`),
+    from the values already read (no queries).
+
+    Its gradient-jump normal is rough (the jump is ~1e-4 of the answers' scale, so finite differences
+    leave it 0.1 to 0.4 off). With the recovered hyperplanes fixed, the values read (``ctx.samples``,
+    thousands of points spread over the space, each with ``<= 16 eps`` of rounding) are linear in the
+    output weights; the new neuron's normal is found by variable projection: alternately the least
+    squares of every output weight, the linear term and the new weight, and a Gauss-Newton step on the new
+    normal (the derivative of ``gamma ReLU(n^T z)`` in ``n`` is ``gamma 1[n^T z > 0] z``). Returns the
+    neuron and the relative residual of the joint fit (its acceptance is the caller's: the fit must get
+    below the answers' limit or at least halve)."""
+    Z = np.array([z for z, _ in ctx.samples])
+    y = np.array([v for _, v in ctx.samples])
+    N = np.array([nu.n for nu in neurons]).reshape(-1, ctx.D)
+    B = np.hstack([np.maximum(Z @ N.T, 0.0), Z])
+    ymax = max(float(np.max(np.abs(y))), 1e-300)
+    n = cand.n.copy()
+    best = (float("inf"), None, None)
+    for _ in range(iters):
+        h = Z @ n
+        M = np.hstack([B, np.maximum(h, 0.0)[:, None]])
+        cn = np.linalg.norm(M, axis=0)
+        cn = np.where(cn > 0, cn, 1.0)
+        sol = np.linalg.lstsq(M / cn, y, rcond=None)[0] / cn
+        r = y - M @ sol
+        res = float(np.max(np.abs(r))) / ymax
+        if res < best[0]:
+            best = (res, n.copy(), float(sol[-1]))
+        g = sol[-1]
+        J = g * (h > 0)[:, None] * Z
+        step = np.linalg.lstsq(J, r, rcond=None)[0]
+        step -= (step @ n) * n
+        if float(np.linalg.norm(step)) < 1e-9:
+            break
+        n = n + step
+        n /= np.linalg.norm(n)
+    res, nb, gb = best
+    if nb is None or not math.isfinite(res):
+        return None, float("inf")
+    if gb * cand.gamma <= 0:
+        return None, float("inf")
+    # the normal's noise: every value carries <= 16 eps of the largest, the fit averages len(y) of them
+    out = _Neuron(n=nb, gamma=gb, refined=True, nerr=16.0 * ctx.eps * ymax / (abs(gb) * math.sqrt(len(y))))
+    C = ctx.rng.standard_normal((256, ctx.D))
+    if ctx.bias:
+        C[:, -1] = np.abs(C[:, -1]) + 0.5
+    C -= np.outer(C @ nb, nb)
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    if ctx.bias:
+        C = C[C[:, -1] > 0.05]
+    if C.shape[0] == 0:
+        return None, float("inf")
+    marg = np.min(np.abs(C @ N.T), axis=1) if N.shape[0] else np.ones(C.shape[0])
+    i = int(np.argmax(marg))
+    out.point, out.margin = C[i], float(marg[i])
+    return out, res
 
 
 def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Neuron, np.ndarray]], list[int], int]:
@@ -647,12 +837,19 @@ def _check_path(ctx: _Ctx, neurons: list[_Neuron], segs) -> tuple[list[tuple[_Ne
                 spent += q
                 if found is not None:
                     new.append((found, z))
+            others_t = np.concatenate([tk[inside], [k.t for k in kinks], [0.0, 1.0]])
             for i in inside:
                 # a predicted kink too small to be seen in these answers is not missing, nor is that of a
                 # neuron whose hyperplane was fit to kink points (two kinks closer than the search
                 # resolves show as one, at neither's place)
                 if abs(Jk[i]) < 1e-3 * S or neurons[int(i)].lines:
                     seen_by[int(i)] = seen_by.get(int(i), 0) + 1
+                elif not matched_any[i]:
+                    # the search did not report it: look where it should be before calling it missing
+                    ok, q = _kink_there(ctx, A, U, float(tk[i]), float(Jk[i]), others_t, tau)
+                    spent += q
+                    if ok:
+                        seen_by[int(i)] = seen_by.get(int(i), 0) + 1
             continue
         for k in kinks:
             cand = [int(i) for i in inside if abs(tk[i] - k.t) <= 1e-6 and abs(Jk[i] - k.jump) <= 1e-5 * abs(k.jump) + 10 * tau / max(k.right[1] - k.left[0], 1e-12)]
@@ -864,6 +1061,8 @@ def extract_ffn(
     best = None                # (fit, neurons) at the best quiet stop so far (float32)
     unsettled = ""             # float32: what the last path still showed when max_paths ran out
     unexplained: list = []
+    pending: list = []         # neurons found on the residual of the current fit, added with the next path
+    residual_found = 0
     while True:
         if paths >= max_paths and best is not None:
             neurons = [dataclasses.replace(nu) for nu in best[1]]     # the extra paths did not do better
@@ -883,6 +1082,10 @@ def extract_ffn(
         paths += 1
         kinks_per_path.append(sum(len(s[2]) for s in segs))
         new, missing, q = _check_path(ctx, neurons, segs)
+        if pending:
+            neurons = neurons + pending       # fit to the values read (:func:`_fit_faint`)
+            added += len(pending)
+            pending = []
         changed = False
         if missing:
             keep = [nu for i, nu in enumerate(neurons) if i not in set(missing)]
@@ -923,11 +1126,27 @@ def extract_ffn(
             if ctx.f32 and extra < EXTRA_PATHS_F32 and neurons and ctx.samples:
                 # the values read so far must be explained to the answers' precision; a neuron dropped as a
                 # phantom, or one whose kinks were too small for the chords seen, shows here: try harder
-                fit = _fit_output(ctx, np.array([nu.n for nu in neurons]), np.array([nu.gamma for nu in neurons]),
-                                  np.zeros(D))[2]
+                gfit, lfit, fit = _fit_output(ctx, np.array([nu.n for nu in neurons]),
+                                              np.array([nu.gamma for nu in neurons]), np.zeros(D))
                 if math.isfinite(fit) and (best is None or fit < best[0]):
                     best = (fit, [dataclasses.replace(nu) for nu in neurons])
                 if math.isfinite(fit) and fit > FIT_LIMIT_EPS * ctx.eps:
+                    # a neuron is missing: its kinks may be too faint for a search on the answers, whose
+                    # secant tests see it beside much larger slope changes; search the residual instead
+                    found_r, q = _residual_path(ctx, neurons, gfit, lfit, rng, max_evals=max_evals)
+                    pass2 += q
+                    now = fit
+                    for cand, z in found_r:
+                        if now <= FIT_LIMIT_EPS * ctx.eps:
+                            break            # the values read are explained: the other kinks were the same one
+                        if any(abs(float(o.n @ z)) <= 0.05 * float(np.linalg.norm(z)) for o in pending):
+                            continue         # the same faint neuron, found on another chord
+                        fitted, res = _fit_faint(ctx, neurons + pending, cand)
+                        # a neuron is added only if it explains the values read at least twice as well
+                        if fitted is not None and res <= 0.5 * now:
+                            pending.append(fitted)
+                            now = res
+                    residual_found += len(pending)
                     extra += 1
                     max_paths += 1
                     quiet = 0
@@ -1016,6 +1235,7 @@ def extract_ffn(
         diagnostics["output_fit_rel_residual"] = fit_rel
         diagnostics["output_fit_samples"] = len(ctx.samples)
         diagnostics["extra_paths"] = extra
+        diagnostics["neurons_from_residual"] = residual_found
         if fit_rel is not None and math.isfinite(fit_rel) and fit_rel > FIT_LIMIT_EPS * eps:
             diagnostics["warning"] = (f"the recovered neurons fit the values read only to {fit_rel:.2g} of their "
                                       f"largest (the answers allow {FIT_LIMIT_EPS * eps:.2g}) after {paths} paths: a "
