@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -84,3 +86,19 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def used(db, name) -> int:
+    """Queries charged to the key ``name`` (``keys list --json``)."""
+    return {r["name"]: r["used"] for r in json.loads(headthief("keys", "list", "--db", db, "--json").stdout)}[name]
+
+
+@contextlib.contextmanager
+def py_server(work: Path, model_source: str, d: int, key_name: str):
+    """A provider's own model (``model.py`` with ``f``) served with ``--d d`` and the default limits;
+    yields ``(server, key)``."""
+    (work / "model.py").write_text(model_source)
+    db = work / "s.sqlite"
+    key = add_key(db, key_name)
+    with Server(f"py:{work / 'model.py'}:f --d {d}", db) as s:
+        yield s, key

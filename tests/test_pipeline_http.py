@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from _server import Server, add_key, headthief
+from _server import Server, add_key, headthief, used
 
 pytest.importorskip("fastapi")
 
@@ -15,10 +15,6 @@ def d16(tmp_path_factory):
     work = tmp_path_factory.mktemp("d16")
     with Server("random:d=16,seed=1", work / "s.sqlite") as s:
         yield s, work
-
-
-def used(db, name):
-    return {r["name"]: r["used"] for r in json.loads(headthief("keys", "list", "--db", db, "--json").stdout)}[name]
 
 
 def run(*args):

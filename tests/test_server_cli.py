@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from _server import HEADTHIEF, Server, add_key, headthief
+from _server import Server, add_key, headthief, py_server, used
 from headthief.cli.target_options import add_target_arguments, target_from_args
 from headthief.errors import OracleError, SpecError
 from headthief.oracles.base import CallableOracle
@@ -40,17 +40,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def used(db, name):
-    return {r["name"]: r["used"] for r in json.loads(headthief("keys", "list", "--db", db, "--json").stdout)}[name]
-
-
 @pytest.fixture(scope="module")
 def pyserver(tmp_path_factory):
     work = tmp_path_factory.mktemp("pyserve")
-    (work / "model.py").write_text(MODEL)
-    db = work / "s.sqlite"
-    key = add_key(db, "provider")
-    with Server(f"py:{work / 'model.py'}:f --d 8", db) as s:
+    with py_server(work, MODEL, 8, "provider") as (s, key):
         yield s, key, work
 
 

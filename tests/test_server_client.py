@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from _server import Server, add_key, headthief
+from _server import Server, add_key, headthief, used
 from headthief.errors import BudgetExceeded, InvalidQuery, SpecError
 from headthief.models.attention import random_head
 from headthief.oracles.http import HTTPOracle
@@ -31,10 +31,6 @@ def d8(tmp_path_factory):
     work = tmp_path_factory.mktemp("d8")
     with Server("random:d=8,seed=1", work / "s.sqlite", "--max-batch", "7") as s:
         yield s, work
-
-
-def used(db, name):
-    return {r["name"]: r["used"] for r in json.loads(headthief("keys", "list", "--db", db, "--json").stdout)}[name]
 
 
 def extract(target, out, *args, env=None, check=True):

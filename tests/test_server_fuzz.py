@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from _server import Server, add_key
+from _server import Server, add_key, py_server
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +89,7 @@ def f(seqs):
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     work = tmp_path_factory.mktemp("fuzz64")
-    (work / "model.py").write_text(MODEL)
-    db = work / "s.sqlite"
-    key = add_key(db, "fuzz")
-    with Server(f"py:{work / 'model.py'}:f --d 64", db) as s:      # the default limits
+    with py_server(work, MODEL, 64, "fuzz") as (s, key):      # the default limits
         yield s, key, work
 
 
