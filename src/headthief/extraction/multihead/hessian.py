@@ -49,6 +49,16 @@ coupling ``sqrt(sum_k ||B_g^T M_k B_h||^2)`` exceeds it. Thresholds are ``3 sqrt
 estimated relative noise of the Hessians (rounding of the answers plus the extrapolation's remainder, a
 worst-case sum that runs 20 to 50 times above the measured error).
 
+**Float32 answers: refit** (:func:`refit_heads`). The Hessians' error (~1e-5 relative: the Richardson
+remainder ``-x^4/480``, which is not block diagonal, against rounding that grows as ``u / t^2`` at smaller
+steps) tilts the found subspaces by ~1e-5 / gap, enough for fidelity up to 9e-4 where the true subspaces
+give 3e-6. So with float32 answers (read from the pilot) every answer already paid for (pilot, Hessian
+probes, Proposition C.2) is refitted by least squares to the *exact* model under Assumption C.1: a
+rotation of the found bases plus each head's ``W~_h, v~_h`` (``c~_h, beta``). The exact softmax has no
+truncation error, so only the answers' rounding is left. Levenberg-Marquardt with an analytic Jacobian,
+at most ``REFIT_ITERATIONS`` trial steps, a step kept only when it lowers the residual; no query. The
+float64 path does not refit (bit for bit as before).
+
 Query count: ``K L d (d + 1)`` probes for the Hessians (``L = 2`` levels with Richardson, else 1), one
 ``f([q_k; q_k])`` per Hessian (at least 4, the precision pilot read first; for the paper's model
 ``f([rho q; rho q]) = rho f([q; q])``, so the pilot's unit-scale answers serve), plus Proposition C.2's
@@ -72,6 +82,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
+import scipy.linalg
 
 from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.base import Oracle
@@ -83,6 +94,9 @@ PILOT = 4                 # f(0) answers read before choosing the step (precisio
 SAFETY = 3.0              # thresholds: this many times the estimated noise's singular values
 GAP = 30.0                # noise and signal singular values must be this far apart ...
 SPREAD = 4.0              # ... and the noise ones within this factor of each other, else add a Hessian
+REFIT_ITERATIONS = 20     # float32 answers: Levenberg-Marquardt trial steps of the refit, at most;
+REFIT_GAIN = 1e-4         # ... it stops once a step lowers the squared residuals by less than this fraction
+REFIT_CHUNK = 2048        # answers per block of the Jacobian (memory: chunk x parameters floats)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,6 +406,179 @@ def block_diagonalize(
 
 
 # ----------------------------------------------------------------------------------------------------
+# Float32 answers: refit every answer already paid for (no query)
+
+
+class _Recorder(Oracle):
+    """Forwards every batch to the black box and keeps the sequences with their answers (the refit
+    reuses them; the black box's own counters, budget and transcript are untouched)."""
+
+    def __init__(self, inner: Oracle):
+        super().__init__(inner.d, input_norm=inner.input_norm)
+        self.inner = inner
+        self.keep = True                 # off once the answers are known to be float64 (no refit)
+        self.seqs: list[np.ndarray] = []
+        self.answers: list[np.ndarray] = []
+
+    def __repr__(self) -> str:
+        return f"_Recorder({self.inner!r})"
+
+    def _query(self, X):
+        y = self.inner.query(X)
+        if not self.keep:
+            return y
+        self.seqs.extend(np.asarray(x, dtype=np.float64) for x in X)
+        self.answers.append(np.asarray(y, dtype=np.float64))
+        return y
+
+
+def _by_length(seqs: list[np.ndarray], y: np.ndarray, chunk: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The sequences as (n, N, d) arrays of one length each, at most ``chunk`` per array, with answers."""
+    lengths = np.array([len(x) for x in seqs])
+    out = []
+    for N in np.unique(lengths):
+        idx = np.flatnonzero(lengths == N)
+        for s in range(0, len(idx), chunk):
+            part = idx[s:s + chunk]
+            out.append((np.stack([seqs[i] for i in part]), y[part]))
+    return out
+
+
+def _fit_terms(X: np.ndarray, Q: np.ndarray, W: np.ndarray, v: np.ndarray, c: np.ndarray | None,
+               jac: bool):
+    """One head seen through ``Q`` (d, d_h) on sequences X (n, N, d): its answers and, with ``jac``, the
+    derivatives with respect to W~ (n, d_h^2), v~ (n, d_h), c~ (n, d_h) and Q (n, d, d_h)."""
+    Z = X @ Q                                                        # (n, N, d_h)
+    zN = Z[:, -1]
+    a = zN @ W.T + (0.0 if c is None else c)                         # W~ z_N + c~
+    s = np.einsum("nkb,nb->nk", Z, a)
+    s -= s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=1, keepdims=True)
+    o = Z @ v
+    f = np.einsum("nk,nk->n", p, o)
+    if not jac:
+        return f, None
+    g = p * (o - f[:, None])                                         # df/ds_k
+    G = np.einsum("nk,nkb->nb", g, Z)
+    dW = (G[:, :, None] * zN[:, None, :]).reshape(len(X), -1)
+    dv = np.einsum("nk,nkb->nb", p, Z)
+    dZ = g[:, :, None] * a[:, None, :] + p[:, :, None] * v[None, None, :]
+    dZ[:, -1] += G @ W
+    dQ = np.einsum("nkd,nkb->ndb", X, dZ)
+    return f, (dW, dv, G if c is not None else None, dQ)
+
+
+def refit_heads(seqs: list[np.ndarray], answers: np.ndarray, bases: list[np.ndarray], W: np.ndarray,
+                V: np.ndarray, C: np.ndarray | None, beta: float | None, *,
+                iterations: int = REFIT_ITERATIONS) -> tuple[list[np.ndarray], np.ndarray, np.ndarray,
+                                                             np.ndarray | None, float | None, dict]:
+    """Least-squares refit of a layer under Assumption C.1 to answers already paid for.
+
+    The parameters are the heads' subspaces (a rotation ``exp(A)`` of the found bases, A antisymmetric
+    with no entries inside a block: those are the heads' own coordinates) and each head's ``W~_h, v~_h``
+    (``c~_h`` and ``beta`` with biases). The model is the exact softmax, so the truncation error of the
+    finite-difference Hessians that placed the subspaces is gone; what is left is the answers' rounding.
+    Levenberg-Marquardt, at most ``iterations`` trial steps; a step is kept only when it lowers the sum of
+    squared residuals, so the result never fits worse than the start.
+
+    Returns:
+        (bases, W, V, C, beta, diagnostics), W (H, d, d) etc. lifted back to R^d.
+    """
+    d = bases[0].shape[0]
+    dims = [B.shape[1] for B in bases]
+    Bh = np.concatenate(bases, axis=1)
+    comp = scipy.linalg.null_space(Bh.T) if Bh.shape[1] < d else np.zeros((d, 0))
+    Q0 = np.concatenate([Bh, comp], axis=1)
+    group = np.repeat(np.arange(len(dims) + 1), dims + [comp.shape[1]])
+    iu, ju = np.triu_indices(d, k=1)
+    cross = group[iu] != group[ju]
+    iu, ju = iu[cross], ju[cross]
+    starts = np.concatenate([[0], np.cumsum(dims)])
+    bias = C is not None
+    heads = [{"W": B.T @ Wh @ B, "v": B.T @ vh, "c": (B.T @ ch if bias else None)}
+             for B, Wh, vh, ch in zip(bases, W, V, C if bias else [None] * len(bases))]
+    b0 = float(beta) if bias and beta is not None else 0.0
+    groups = _by_length(seqs, answers, REFIT_CHUNK)
+    y = np.concatenate([yy for _, yy in groups])
+
+    def normal_equations(Q, hd, b, jac):
+        """Sum of squared residuals and, with ``jac``, J^T J and J^T r, a chunk of answers at a time."""
+        cost, JtJ, Jtr = 0.0, 0.0, 0.0
+        for X, yy in groups:
+            r = np.full(len(X), b) - yy
+            dQ = np.zeros((len(X), d, d)) if jac else None
+            parts = []
+            for h in range(len(dims)):
+                cols = slice(starts[h], starts[h + 1])
+                fh, J = _fit_terms(X, Q[:, cols], hd[h]["W"], hd[h]["v"], hd[h]["c"], jac)
+                r += fh
+                if jac:
+                    parts += [J[0], J[1]] + ([J[2]] if bias else [])
+                    dQ[:, :, cols] = J[3]
+            cost += float(r @ r)
+            if jac:
+                GA = np.einsum("da,nde->nae", Q, dQ)                  # d f / d A at A = 0 (Q -> Q exp(A))
+                Jc = np.concatenate([GA[:, iu, ju] - GA[:, ju, iu]] + parts
+                                    + ([np.ones((len(X), 1))] if bias else []), axis=1)
+                JtJ = JtJ + Jc.T @ Jc
+                Jtr = Jtr + Jc.T @ r
+        return cost, JtJ, Jtr
+
+    def step(Q, hd, b, x):
+        A = np.zeros((d, d))
+        A[iu, ju] = x[:len(iu)]
+        A[ju, iu] = -x[:len(iu)]
+        Qn = Q @ scipy.linalg.expm(A)
+        pos, hn = len(iu), []
+        for h, k in enumerate(dims):
+            W_ = hd[h]["W"] + x[pos:pos + k * k].reshape(k, k)
+            pos += k * k
+            v_ = hd[h]["v"] + x[pos:pos + k]
+            pos += k
+            c_ = None
+            if bias:
+                c_ = hd[h]["c"] + x[pos:pos + k]
+                pos += k
+            hn.append({"W": W_, "v": v_, "c": c_})
+        return Qn, hn, (b + x[pos] if bias else b)
+
+    Q, hd, b = Q0, heads, b0
+    cost, JtJ, Jtr = normal_equations(Q, hd, b, True)
+    cost0 = cost
+    lam, accepted, tried, reason = 1e-6, 0, 0, "iterations"
+    for tried in range(1, iterations + 1):
+        D = np.maximum(np.diag(JtJ), 1e-300)
+        try:
+            x = -scipy.linalg.solve(JtJ + lam * np.diag(D), Jtr, assume_a="pos", check_finite=False)
+        except (np.linalg.LinAlgError, ValueError):
+            lam *= 100
+            continue
+        Qn, hn, bn = step(Q, hd, b, x)
+        cn = normal_equations(Qn, hn, bn, False)[0]
+        if cn < cost:
+            gain = (cost - cn) / cost
+            Q, hd, b, cost, accepted = Qn, hn, bn, cn, accepted + 1
+            lam = max(lam / 10, 1e-12)
+            if gain < REFIT_GAIN:
+                reason = "converged"
+                break
+            cost, JtJ, Jtr = normal_equations(Q, hd, b, True)
+        else:
+            lam *= 100
+    out_bases = [Q[:, starts[h]:starts[h + 1]] for h in range(len(dims))]
+    Wl = np.stack([B @ hd[h]["W"] @ B.T for h, B in enumerate(out_bases)])
+    Vl = np.stack([B @ hd[h]["v"] for h, B in enumerate(out_bases)])
+    Cl = np.stack([B @ hd[h]["c"] for h, B in enumerate(out_bases)]) if bias else None
+    rms = max(float(np.sqrt(np.mean(y ** 2))), 1e-300)
+    diag = {"answers": len(y), "parameters": len(Jtr), "steps_tried": tried, "steps_kept": accepted,
+            "stopped": reason, "residual_before": float(np.sqrt(cost0 / len(y)) / rms),
+            "residual_after": float(np.sqrt(cost / len(y)) / rms),
+            "rotation": float(np.linalg.norm(np.concatenate(out_bases, 1) - Bh, 2))}
+    return out_bases, Wl, Vl, Cl, (b if bias else beta), diag
+
+
+# ----------------------------------------------------------------------------------------------------
 # The extraction
 
 
@@ -452,6 +639,7 @@ def extract_multihead_hessian(
     rng = np.random.default_rng(rng)
     d = oracle.d
     q0 = oracle.queries
+    black_box, oracle = oracle, _Recorder(oracle)     # counts stay on the black box
     if tokens == "basis":
         dirs = np.eye(d)
         hessians = d
@@ -466,6 +654,8 @@ def extract_multihead_hessian(
     y_pilot = _ask(oracle, pilot, progress)
     single = all_float32(y_pilot) and n_pilot >= PILOT
     unit = 2.0 ** -24 if single else 2.0 ** -53
+    if not single:
+        oracle.keep, oracle.seqs, oracle.answers = False, [], []
     s = float(step) if step is not None else default_step(single, richardson)
     rho, t = (1.0, s) if bias else (s, 1.0)
 
@@ -500,10 +690,14 @@ def extract_multihead_hessian(
         settled = kernel_dims[-1] == 0 or (len(kernel_dims) >= 2 and kernel_dims[-1] >= kernel_dims[-2])
         if settled and not ambiguous[-1]:
             break
-    hq = oracle.queries - q0
+    hq = black_box.queries - q0
     if heads is not None or bd is None:
         bd = block_diagonalize(np.stack(Ms), blocks=heads, noise=max(noises), rng=rng)
     sub = extract_multihead_subspaces(oracle, list(bd.bases), bias=bias, progress=progress, rng=rng)
+    W, V, C, beta, refit = sub.W, sub.V, sub.C, sub.beta, None
+    if single:
+        kept = [B for h, B in enumerate(bd.bases) if h not in sub.diagnostics["silent"]]
+        _, W, V, C, beta, refit = refit_heads(oracle.seqs, np.concatenate(oracle.answers), kept, W, V, C, beta)
     diagnostics = {
         "hessians": len(Ms), "hessian_queries": hq, "subspace_queries": sub.queries,
         "kernel_dims": kernel_dims, "ambiguous": ambiguous, "step": s, "richardson": richardson,
@@ -512,7 +706,9 @@ def extract_multihead_hessian(
         "commutant_sv": bd.commutant_sv.tolist(), "coupling": bd.coupling, "kernel_dim": bd.kernel.shape[1],
         **{f"bd_{k}": v for k, v in bd.diagnostics.items()},
         "silent": sub.diagnostics["silent"], "requeried": sub.diagnostics["requeried"],
+        "refit": refit is not None,
+        **{f"refit_{k}": v for k, v in (refit or {}).items()},
     }
-    return MultiHeadExtraction(method="hessian", W=sub.W, V=sub.V, C=sub.C, beta=sub.beta,
-                               queries=oracle.queries - q0, seconds=time.perf_counter() - t0,
+    return MultiHeadExtraction(method="hessian", W=W, V=V, C=C, beta=beta,
+                               queries=black_box.queries - q0, seconds=time.perf_counter() - t0,
                                diagnostics=diagnostics)
