@@ -516,6 +516,19 @@ def _jump_normal_noise(ctx: _Ctx, nu: _Neuron) -> float:
     return 16.0 * ctx.eps * max(ctx.scale, 1e-300) / (rho * max(abs(nu.gamma), 1e-300))
 
 
+
+def _directions_in(ctx: "_Ctx", n: np.ndarray, count: int) -> np.ndarray:
+    """``count`` random unit directions inside the hyperplane ``n . x = 0`` (the lifted space with biases:
+    those whose last, homogenising coordinate stays clearly positive)."""
+    C = ctx.rng.standard_normal((count, ctx.D))
+    if ctx.bias:
+        C[:, -1] = np.abs(C[:, -1]) + 0.5
+    C -= np.outer(C @ n, n)
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    if ctx.bias:
+        C = C[C[:, -1] > 0.05]
+    return C
+
 def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, candidates: int = 512) -> int:
     """Pass 2 for coarse (float32) answers: neuron k's hyperplane from ``D - 1 + extra`` kink points.
 
@@ -534,13 +547,7 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, 
     D = ctx.D
     n = nu.n
     others = np.array([o.n for i, o in enumerate(neurons) if i != k]).reshape(-1, D)
-    C = ctx.rng.standard_normal((candidates, D))
-    if ctx.bias:
-        C[:, -1] = np.abs(C[:, -1]) + 0.5
-    C -= np.outer(C @ n, n)
-    C /= np.linalg.norm(C, axis=1, keepdims=True)
-    if ctx.bias:
-        C = C[C[:, -1] > 0.05]
+    C = _directions_in(ctx, n, candidates)
     # along p + t n the other hyperplanes are crossed at t_o = -(n_o . p) / (n_o . n)
     with np.errstate(divide="ignore", invalid="ignore"):
         T = -(C @ others.T) / (others @ n)[None, :] if others.shape[0] else np.full((C.shape[0], 1), np.inf)
@@ -779,13 +786,7 @@ def _fit_faint(ctx: _Ctx, neurons: list[_Neuron], cand: _Neuron, *, iters: int =
         return None, float("inf")
     # the normal's noise: every value carries <= 16 eps of the largest, the fit averages len(y) of them
     out = _Neuron(n=nb, gamma=gb, refined=True, nerr=16.0 * ctx.eps * ymax / (abs(gb) * math.sqrt(len(y))))
-    C = ctx.rng.standard_normal((256, ctx.D))
-    if ctx.bias:
-        C[:, -1] = np.abs(C[:, -1]) + 0.5
-    C -= np.outer(C @ nb, nb)
-    C /= np.linalg.norm(C, axis=1, keepdims=True)
-    if ctx.bias:
-        C = C[C[:, -1] > 0.05]
+    C = _directions_in(ctx, nb, 256)
     if C.shape[0] == 0:
         return None, float("inf")
     marg = np.min(np.abs(C @ N.T), axis=1) if N.shape[0] else np.ones(C.shape[0])
@@ -1057,7 +1058,6 @@ def extract_ffn(
     kinks_per_path = [kinks1]
     quiet = 0                  # consecutive paths that changed nothing
     extra = 0                  # paths added because the values read were not explained (float32)
-    last_fit = None
     best = None                # (fit, neurons) at the best quiet stop so far (float32)
     unsettled = ""             # float32: what the last path still showed when max_paths ran out
     unexplained: list = []
@@ -1150,7 +1150,6 @@ def extract_ffn(
                     extra += 1
                     max_paths += 1
                     quiet = 0
-                    last_fit = fit
                     continue
             break
     if not neurons:
