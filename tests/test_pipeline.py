@@ -121,7 +121,7 @@ def test_save_writes_where_numpy_says(tmp_path):
 
 @pytest.mark.parametrize("kw,words", [({"heads": "3"}, "--heads does not apply to --method exact"),
                                       ({"seed": -1}, "--seed must be >= 0"),
-                                      ({"d": 16}, "--d 16 contradicts"),
+                                      ({"d": 16}, "--d 16 disagrees with the target random:d=8"),
                                       ({"budget": -1}, "--budget must be >= 0")])
 def test_bad_settings_are_refused_with_their_names(kw, words):
     with pytest.raises(ht.SpecError, match=words.replace("-", r"\-")):

@@ -25,7 +25,6 @@ written (it is in the report and printed).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import numpy as np
 
 from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
                      OracleError, SpecError)
+from .extraction.precision import finite_or_none
 from .oracles.base import Oracle, oracle_stack
 from .targets import Target
 
@@ -265,9 +265,9 @@ def check_settings_apply(opts: Options, method: str) -> None:
 
 def check_d(target: Target, opts: Options) -> None:
     """``--d`` given with a target that fixes d itself must agree with it."""
-    if opts.d is not None and opts.d != target.d:
-        raise SpecError(f"--d {opts.d} contradicts the target {target.spec}, whose tokens have d = {target.d} "
-                        "(--d is for py: targets; leave it out)")
+    if opts.d is not None and int(opts.d) != int(target.d):
+        raise SpecError(f"--d {opts.d} disagrees with the target {target.spec}, whose tokens have d = {target.d}; "
+                        f"leave --d out (it is for py: targets) or make it {target.d}")
 
 
 def refuse_by_output(target: Target, method: str) -> None:
@@ -342,13 +342,6 @@ def _exit_code(exc: BaseException) -> int:
     return EXIT_ORACLE
 
 
-def _num(x):
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 # --------------------------------------------------------------------------------------------- the row
 
 
@@ -362,15 +355,15 @@ def report_row(target: Target, method: str, res, fidelity, seed: int) -> dict:
     per_head = errs.pop("per_head", None)
     mc = res.check
     if fidelity is not None:
-        fid = _num(fidelity.max_rel_err)
+        fid = finite_or_none(fidelity.max_rel_err)
     elif mc is not None and mc.figure is not None and mc.verdict in ("pass", "fail", "inconclusive"):
-        fid = _num(mc.figure)
+        fid = finite_or_none(mc.figure)
     else:
         fid = None
     out = {
         "target": target.spec, "method": method, "d": res.d, "rank": res.rank, "queries": res.queries,
         **({"heads": res.heads} if hasattr(res, "heads") else {}),
-        **{k: _num(v) if isinstance(v, float) else v for k, v in errs.items()},
+        **{k: finite_or_none(v) if isinstance(v, float) else v for k, v in errs.items()},
         "fidelity_max_rel_err": fid,
         "verify_queries": fidelity.queries if fidelity else (mc.verify_queries if mc is not None else 0),
         "check_queries": mc.check_queries if mc is not None else 0,
@@ -386,18 +379,25 @@ def report_row(target: Target, method: str, res, fidelity, seed: int) -> dict:
         out["per_head"] = per_head
     for k, v in res.diagnostics.items():
         if isinstance(v, (int, float, str, bool)) or v is None:
-            out.setdefault(k, _num(v) if isinstance(v, float) else v)
+            out.setdefault(k, finite_or_none(v) if isinstance(v, float) else v)
     out.update({f"target_{k}": v for k, v in target.info.items()})
     return out
+
+
+def _failed_fidelity(exc: BaseException) -> float | None:
+    """The fidelity that failed a model check (``fidelity``, ``fidelity next to kinks``), else None."""
+    if isinstance(exc, ModelMismatch) and "fidelity" in str(exc.check):
+        return finite_or_none(exc.figure)
+    return None
 
 
 def _failure_row(target: Target | None, spec: str, method: str, exc: BaseException, oracle, budget) -> dict:
     row: dict[str, Any] = {"target": target.spec if target is not None else spec, "method": method}
     if isinstance(exc, ModelMismatch):
-        row["model_check"] = {"verdict": "fail", "check": exc.check, "figure": _num(exc.figure),
-                              "threshold": _num(exc.threshold), "detail": str(exc)}
-        if exc.check == "fidelity":
-            row["fidelity_max_rel_err"] = _num(exc.figure)
+        row["model_check"] = {"verdict": "fail", "check": exc.check, "figure": finite_or_none(exc.figure),
+                              "threshold": finite_or_none(exc.threshold), "detail": str(exc)}
+        if _failed_fidelity(exc) is not None:
+            row["fidelity_max_rel_err"] = _failed_fidelity(exc)
     if oracle is not None:
         row["queries_sent"] = oracle_stack(oracle)[-1].queries
         if isinstance(exc, ModelMismatch):      # stopped by the identities, before the method asked anything
@@ -471,19 +471,16 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             row["method_requested"] = "auto"
         _transport(row, oracle, journal)
     except (HeadthiefError, ValueError, MemoryError) as exc:
-        if journal is not None:
-            journal.close()
-            journal = None
         code = EXIT_SETTINGS if opening and isinstance(exc, HeadthiefError) else _exit_code(exc)
         partial = getattr(exc, "result", None)
         if partial is not None and tgt is not None:
             row = report_row(tgt, opts.method, partial, None, opts.seed)
             row["error"] = str(exc)
-            if isinstance(exc, ModelMismatch) and exc.figure is not None and "fidelity" in str(exc.check):
-                row["fidelity_max_rel_err"] = _num(exc.figure)     # the figure that failed the check
+            if _failed_fidelity(exc) is not None:
+                row["fidelity_max_rel_err"] = _failed_fidelity(exc)     # the figure that failed the check
         else:
             row = _failure_row(tgt, spec, opts.method, exc, oracle, opts.budget)
-        if journal is None and opts.journal and isinstance(exc, (BudgetExceeded, ModelMismatch, OracleError)):
+        if opts.journal and isinstance(exc, (BudgetExceeded, ModelMismatch, OracleError)):
             row["journal"] = opts.journal
         rep = Report(row=row, result=partial, exit_code=code, status=EXIT_MEANING.get(code, f"exit {code}"),
                      error=str(exc), warnings=tuple(warnings), seconds=time.perf_counter() - t0, target=tgt,
@@ -584,10 +581,10 @@ def _verify(res, tgt: Target, opts: Options, oracle: Oracle, journal, warnings: 
 
 
 def _transport(row: dict, oracle: Oracle, journal) -> None:
+    from .oracles.http import HTTPOracle
     inner = oracle_stack(oracle)[-1]
-    stats = getattr(inner, "stats", None)
-    if callable(stats) and type(inner).__name__ == "HTTPOracle":
-        row["http"] = stats()
+    if isinstance(inner, HTTPOracle):
+        row["http"] = inner.stats()
     if journal is not None:
         row["journal_replayed"] = inner.replayed
         row["journal_sent"] = inner.fresh

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -64,10 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="DIR", help="keep each finished head in DIR; a re-run reuses them")
 
 
-def _num(x):
-    return None if x is None or not math.isfinite(float(x)) else float(x)
-
-
 def extract_row(spec: str, method: str, args: argparse.Namespace) -> dict:
     """Run ``method`` on ``spec`` through the extraction pipeline (what ``headthief extract`` runs, the
     model check included); return one table row. A run whose model check failed (the recovered head is
@@ -82,15 +77,15 @@ def extract_row(spec: str, method: str, args: argparse.Namespace) -> dict:
     rep = extract(spec, method, raise_errors=False, **opts)
     if rep.result is None:
         raise rep.exception
-    row = rep.row
+    row = rep.row           # its figures are already finite or None (the pipeline's row)
+    mc = row.get("model_check") or {}
     return {
         "target": spec, "method": method, "layer": row.get("target_layer"), "head": row.get("target_head"),
         "rank": row.get("rank"), "queries": row.get("queries"),
-        **{k: _num(row.get(k)) for k in ("W_rel_err", "c_rel_err", "v_rel_err", "beta_abs_err")},
-        "fidelity_max_rel_err": _num(row.get("fidelity_max_rel_err")),
-        "check": (row.get("model_check") or {}).get("verdict"),
+        **{k: row.get(k) for k in ("W_rel_err", "c_rel_err", "v_rel_err", "beta_abs_err", "fidelity_max_rel_err")},
+        "check": mc.get("verdict"),
         "seconds": round(rep.result.seconds, 3),
-        **({"check_threshold": _num((row.get("model_check") or {}).get("threshold"))} if rep.exit_code == 5 else {}),
+        **({"check_threshold": mc.get("threshold")} if rep.exit_code == 5 else {}),
     }
 
 

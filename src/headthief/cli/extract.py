@@ -172,12 +172,11 @@ def _restore_signal_handlers(old) -> None:
 def cmd_extract(args) -> int:
     """``headthief extract``: the pipeline (:func:`headthief.pipeline.extract`) with a progress bar, the
     row printed as a table or one JSON object, and the exit code of how it ended."""
+    import dataclasses
+
     from ..pipeline import Options, extract
-    try:
-        opts = Options.from_namespace(args, **({"blas_threads": None} if args.blas_threads == 0 else {}))
-    except TypeError as e:       # pragma: no cover - a parser/Options mismatch is a bug
-        return _fail(2, str(e))
-    kw = {f: getattr(opts, f) for f in opts.__dataclass_fields__ if f not in ("target", "method")}
+    kw = dataclasses.asdict(Options.from_namespace(args, **({"blas_threads": None} if args.blas_threads == 0 else {})))
+    del kw["target"], kw["method"]
     kept = f"; the answers paid for are in the journal {args.journal}" if args.journal else ""
     bar = _ProgressBar(None, f"{args.method} {args.target}", enabled=not args.quiet)
     old_handlers = _install_signal_handlers()

@@ -65,8 +65,7 @@ def target_from_args(args: argparse.Namespace):
         raise SpecError("no target: give --target SPEC (see `headthief targets`)")
     d = getattr(args, "d", None)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    from ..pipeline import Options, check_d
     target = resolve(args.target, d=d, bias=bool(getattr(args, "bias", False)), api_key=api_key)
-    if d is not None and int(target.d) != int(d):
-        raise SpecError(f"--d {d} disagrees with the target {args.target}, whose tokens have d = {target.d}; "
-                        f"leave --d out (it is for py: targets) or make it {target.d}")
+    check_d(target, Options(d=d))
     return target

@@ -46,7 +46,7 @@ from ..oracles.base import Oracle, oracle_stack
 # the pieces every check shares live in .precision (so that the FFN's check, transformer/ffn_check.py, needs
 # nothing from here); they are re-exported under their old names
 from .precision import (CHECK_SEED, CLASS_CHECKS, FFN, INCONCLUSIVE_THRESHOLD, MULTI, NOT_AFFINE, SINGLE,  # noqa: F401
-                        TRANSFORMER, AnswerKind, Identity, ModelCheck, _num, answer_kind, answer_noise,
+                        TRANSFORMER, AnswerKind, Identity, ModelCheck, answer_kind, answer_noise,
                         fidelity_threshold, fidelity_verdict, inconclusive_detail, method_resolution,
                         NOISE_POINTS, noise_sequences, register_class_check, threshold_source)
 
@@ -360,46 +360,39 @@ def checked(model: str = SINGLE, *, reads: str = "values", preflight: Callable |
         @functools.wraps(fn)
         def run(oracle: Oracle, *args, check: bool = True, verify: int = 256,
                 check_rng: int | np.random.Generator = 10_000, **kw):
-            pre: list = []
+            pre: list = []          # (the identities' result, how many of their answers came from a journal)
             if check:
                 # the identities run just before the method's first query: a method that refuses its
                 # settings does so before anything is spent
                 def hook():
                     r0 = counters(oracle)["replayed"]
-                    try:
-                        _hook()
-                    finally:
-                        pre_replayed.append(int(counters(oracle)["replayed"] - r0))
-
-                def _hook():
                     if custom:
-                        pre.append(pre_fn(oracle, bias=bool(kw.get("bias", False)),
-                                          rng=np.random.default_rng(CHECK_SEED)))
+                        found = pre_fn(oracle, bias=bool(kw.get("bias", False)), rng=np.random.default_rng(CHECK_SEED))
                     else:
-                        pre.append(pre_fn(oracle, model=model, bias=bool(kw.get("bias", False)),
-                                          rng=np.random.default_rng(CHECK_SEED), signs=reads == "signs"))
+                        found = pre_fn(oracle, model=model, bias=bool(kw.get("bias", False)),
+                                       rng=np.random.default_rng(CHECK_SEED), signs=reads == "signs")
+                    pre.append((found, int(counters(oracle)["replayed"] - r0)))
                 oracle.before_first_query = hook
-            pre_replayed: list = []
             before = counters(oracle)
             try:
                 res = fn(oracle, *args, **kw)
             finally:
                 oracle.before_first_query = None
-            spent = pre[0][1] if pre else 0
+            found, replayed = pre[0] if pre else (None, 0)
+            spent = found[1] if found else 0
             c = cost(oracle, before)
-            if pre:   # the identities' queries are not the method's (fresh or answered from a journal)
+            if found:   # the identities' queries are not the method's (fresh or answered from a journal)
                 c["oracle_calls"] -= 1
-                rep = pre_replayed[0] if pre_replayed else 0
-                c["queries_fresh"] -= spent - rep
-                c["queries_replayed"] -= rep
+                c["queries_fresh"] -= spent - replayed
+                c["queries_replayed"] -= replayed
             res = dataclasses.replace(res, queries=res.queries - spent, diagnostics={**res.diagnostics, **c})
             if not check:
                 mc = ModelCheck("unchecked", model, detail="the model check was skipped (--no-check)")
             elif verdict is not None:
-                mc = ver_fn(res, oracle, n=verify, rng=check_rng, preflight_result=pre[0] if pre else None)
+                mc = ver_fn(res, oracle, n=verify, rng=check_rng, preflight_result=found)
             else:
                 mc = ver_fn(res, oracle, model=model, n=verify, rng=check_rng,
-                            preflight_result=pre[0] if pre else None, signs=reads == "signs")
+                            preflight_result=found, signs=reads == "signs")
             return dataclasses.replace(res, check=mc)
 
         run.model_class = model

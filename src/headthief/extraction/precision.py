@@ -51,7 +51,7 @@ class Identity:
     allowed: float
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "violation": _num(self.violation), "allowed": _num(self.allowed)}
+        return {"name": self.name, "ok": self.ok, "violation": finite_or_none(self.violation), "allowed": finite_or_none(self.allowed)}
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,14 @@ class ModelCheck:
 
     def as_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "model": self.model, "answers": self.answers,
-                "figure": _num(self.figure), "threshold": _num(self.threshold),
+                "figure": finite_or_none(self.figure), "threshold": finite_or_none(self.threshold),
                 "check_queries": self.check_queries, "verify_queries": self.verify_queries,
                 "identities": [i.as_dict() for i in self.identities], "detail": self.detail,
-                "noise": _num(self.noise)}
+                "noise": finite_or_none(self.noise)}
 
 
-def _num(x):
+def finite_or_none(x):
+    """``float(x)``, or None for None, NaN and infinities (JSON has no such numbers)."""
     if x is None:
         return None
     x = float(x)
