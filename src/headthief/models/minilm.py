@@ -246,3 +246,15 @@ def minilm_layer(layer: int, readout: int = 0, *, dtype=np.float32) -> MultiHead
 def minilm_layer_truth(layer: int, readout: int = 0) -> MultiHeadAttention:
     """The float64 truth of :func:`minilm_layer` (same mapping, no float32 rounding)."""
     return minilm_layer(layer, readout, dtype=np.float64)
+
+
+def minilm_attention_layer(layer: int, *, output="all", dtype=np.float32):
+    """Layer ``layer``'s self-attention and output dense as an :class:`~headthief.models.mha.AttentionLayer`
+    answering with vectors (before the residual and LayerNorm); float32 evaluates as the real model does."""
+    from .mha import AttentionLayer
+    layer, _ = _check_layer_readout(layer, 0)
+    w = load_attention_weights(layer)
+    sh = lambda a: np.asarray(a).reshape(N_HEADS, D_HEAD, D_MODEL)           # noqa: E731
+    return AttentionLayer(Q=sh(w.Wq), K=sh(w.Wk), V=sh(w.Wv), Wo=w.Wo, bq=w.bq.reshape(N_HEADS, D_HEAD),
+                          bk=w.bk.reshape(N_HEADS, D_HEAD), bv=w.bv.reshape(N_HEADS, D_HEAD), bo=w.bo,
+                          output=output, dtype=dtype)

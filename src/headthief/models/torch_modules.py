@@ -90,6 +90,8 @@ class TorchOracle(Oracle):
 
     def _query(self, X) -> np.ndarray:
         torch = import_torch()
+        if self.output.vector:
+            return self._query_vectors(torch, X)
         if isinstance(X, np.ndarray):
             groups = {X.shape[1]: (np.arange(X.shape[0]), X)}
         else:
@@ -106,6 +108,19 @@ class TorchOracle(Oracle):
                     t = torch.from_numpy(np.ascontiguousarray(A[s:s + step], dtype=np.float32))
                     out[idx[s:s + step]] = self.forward(t).double().numpy()
         return out
+
+    def _query_vectors(self, torch, X):
+        """Vector answers: ``forward`` returns (k, N, d_out) for k sequences of N tokens."""
+        from .mha import _assemble, _groups
+        groups = []
+        with torch.no_grad():
+            for idx, A in _groups(X):
+                N = A.shape[1]
+                step = max(1, self.max_tokens // N)
+                parts = [self.forward(torch.from_numpy(np.ascontiguousarray(A[s:s + step], dtype=np.float32)))
+                         .double().numpy() for s in range(0, len(idx), step)]
+                groups.append((idx, np.concatenate(parts, axis=0)))
+        return _assemble(self.output, X, groups, self.d_out)
 
 
 def _readout_tensor(seed: int, d: int):
@@ -193,6 +208,19 @@ def minilm_layer_hf_oracle(layer: int, readout: int = 0, **kw) -> TorchOracle:
                        name=f"BertAttention(layer={layer})", **kw)
 
 
+def minilm_layer_vectors_forward(layer: int) -> Callable[[Any], Any]:
+    """transformers' ``BertSelfAttention`` then ``BertSelfOutput.dense`` of layer ``layer`` at every
+    position, read before the residual and LayerNorm: (k, N, 384) -> (k, N, 384) float32."""
+    from .minilm import _check_layer_readout
+    layer, _ = _check_layer_readout(layer, 0)
+    attention = load_minilm_hf().encoder.layer[layer].attention
+
+    def forward(X):
+        return attention.output.dense(attention.self(X)[0])
+
+    return forward
+
+
 # --------------------------------------------------------------------------- torch.nn.MultiheadAttention
 
 
@@ -222,6 +250,31 @@ def torch_mha_forward(mha, *, readout: int = 0) -> Callable[[Any], Any]:
         return _read_out(out[:, 0, :], r)
 
     return forward
+
+
+def torch_mha_vectors_forward(mha) -> Callable[[Any], Any]:
+    """``nn.MultiheadAttention``'s own output at every position (self-attention, out_proj applied)."""
+    import_torch()
+
+    def forward(X):
+        return mha(X, X, X, need_weights=False)[0]
+
+    return forward
+
+
+def torch_mha_layer(mha, output="all"):
+    """The module's weights as a float64 :class:`~headthief.models.mha.AttentionLayer` (for errors only)."""
+    from .mha import AttentionLayer
+    d, H = mha.embed_dim, mha.num_heads
+    dh = d // H
+    f64 = np.float64
+    Win = mha.in_proj_weight.detach().numpy().astype(f64)
+    bin_ = mha.in_proj_bias.detach().numpy().astype(f64)
+    sh = lambda a: a.reshape(H, dh, d)                                     # noqa: E731
+    return AttentionLayer(Q=sh(Win[:d]), K=sh(Win[d:2 * d]), V=sh(Win[2 * d:]),
+                          Wo=mha.out_proj.weight.detach().numpy().astype(f64),
+                          bq=bin_[:d].reshape(H, dh), bk=bin_[d:2 * d].reshape(H, dh), bv=bin_[2 * d:].reshape(H, dh),
+                          bo=mha.out_proj.bias.detach().numpy().astype(f64), output=output)
 
 
 def torch_mha_truth(mha, *, readout: int = 0) -> AttentionHead:

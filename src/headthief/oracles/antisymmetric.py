@@ -37,6 +37,9 @@ class AntiSymmetric(WrappedOracle):
         if kw.get("transcript") is not None:
             raise ValueError("AntiSymmetric counts two value queries per answer: put the transcript or "
                              "journal on the inner oracle, not on the wrapper")
+        if inner.output.vector:
+            raise ValueError("the antisymmetric oracle subtracts one number per sequence; this target answers "
+                             f"{inner.output.describe(inner.d_out)}")
         super().__init__(inner, **kw)
 
     def _query(self, X) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BudgetExceeded, HeadthiefError, InvalidQuery, OracleError
+from .answers import Output, numbers_of, pack, rows_of, unpack
 from .transcript import Transcript
 
 Batch = Sequence[np.ndarray] | np.ndarray
@@ -78,10 +79,14 @@ class Oracle:
             it is refused (never clipped) with :class:`InvalidQuery`.
         transcript: a :class:`Transcript` that records every answered batch; batches already in it
             are answered from it without touching the black box or the budget.
+        output: the answer kind (:class:`~headthief.oracles.answers.Output`: ``value`` (default),
+            ``sign``, ``last`` or ``all``); ``d_out``: the answer vectors' dimension (vector kinds).
+            One query is one sequence whatever the kind.
     """
 
     def __init__(self, d: int, *, budget: int | None = None, input_norm: float | None = None,
-                 transcript: Transcript | None = None):
+                 transcript: Transcript | None = None, output: Output | str = Output.VALUE,
+                 d_out: int | None = None):
         if int(d) < 1:
             raise ValueError(f"d must be >= 1, got {d}")
         if budget is not None and budget < 0:
@@ -89,6 +94,12 @@ class Oracle:
         if input_norm is not None and not input_norm > 0:
             raise ValueError(f"input_norm must be > 0, got {input_norm}")
         self.d = int(d)
+        self.output = Output.parse(output)
+        if self.output.vector:
+            d_out = self.d if d_out is None else int(d_out)
+            if d_out < 1:
+                raise ValueError(f"d_out must be >= 1, got {d_out}")
+        self.d_out = int(d_out) if self.output.vector else None
         self.budget = budget
         self.input_norm = input_norm
         self.transcript = transcript
@@ -96,11 +107,14 @@ class Oracle:
         self.fresh = 0         # sequences sent to the black box (what the budget limits)
         self.replayed = 0      # sequences answered from the transcript
         self.calls = 0
+        self.numbers = 0       # numbers received in answers (fresh + replayed): n for value answers
         self.seconds = 0.0     # wall time spent inside the black box (_query)
         self.before_first_query = None   # a one-shot hook (the model check's identities) run before the next query
 
     def _settings(self) -> str:
         parts = [f"d={self.d}"]
+        if self.output is not Output.VALUE:
+            parts.append(f"output={self.output.value}" + (f", d_out={self.d_out}" if self.d_out else ""))
         if self.budget is not None:
             parts.append(f"budget={self.budget}")
         if self.input_norm is not None:
@@ -112,15 +126,23 @@ class Oracle:
 
     def reset(self) -> None:
         """Reset the counters (the budget then applies afresh)."""
-        self.queries = self.fresh = self.replayed = self.calls = 0
+        self.queries = self.fresh = self.replayed = self.calls = self.numbers = 0
         self.seconds = 0.0
 
-    def query(self, batch: Batch) -> np.ndarray:
-        """Answer a batch: one float64 value per sequence."""
+    def query(self, batch: Batch):
+        """Answer a batch: one float64 value per sequence (``value``, ``sign``), or vectors (``last``:
+        ``(n, d_out)``; ``all``: ``(n, N, d_out)``, or a list of ``(N_i, d_out)`` for a list batch)."""
         X = as_batch(batch, self.d)
+        return unpack(self.output, self._answer(X), X)
+
+    def query_packed(self, batch: Batch) -> np.ndarray:
+        """:meth:`query`, with vector answers packed one row per answered vector (see :mod:`.answers`)."""
+        return self._answer(as_batch(batch, self.d))
+
+    def _answer(self, X) -> np.ndarray:
         n = int(X.shape[0]) if isinstance(X, np.ndarray) else len(X)
         if n == 0:
-            return np.zeros(0)
+            return np.zeros((0, self.d_out)) if self.output.vector else np.zeros(0)
         if self.input_norm is not None:
             self._check_norm(X)
         if self.before_first_query is not None:
@@ -128,11 +150,14 @@ class Oracle:
             hook()
         key = batch_key(X) if self.transcript is not None else None
         if key is not None:
-            hit = self.transcript.lookup(key, n)
+            hit = self.transcript.lookup(key, rows_of(self.output, X))
+            if hit is not None and self.output.vector:
+                hit = hit.reshape(hit.shape[0], -1) if hit.size == rows_of(self.output, X) * self.d_out else None
             if hit is not None:
                 self.queries += n
                 self.replayed += n
                 self.calls += 1
+                self.numbers += numbers_of(self.output, X, self.d_out)
                 return hit
         if self.budget is not None and self.fresh + n > self.budget:
             raise BudgetExceeded(self.fresh, self.budget, n)
@@ -145,10 +170,11 @@ class Oracle:
             raise OracleError(f"the oracle raised {type(e).__name__}: {e}") from e
         finally:
             self.seconds += time.perf_counter() - t0
-        y = self._check_answers(raw, n)
+        y = self._check_vectors(raw, X) if self.output.vector else self._check_answers(raw, n)
         self.queries += n
         self.fresh += n
         self.calls += 1
+        self.numbers += int(y.size)
         if key is not None:
             self.transcript.record(key, y)
         return y
@@ -184,6 +210,18 @@ class Oracle:
                               f"({int(bad.sum())} of {n} answers are non-finite)")
         return y
 
+    def _check_vectors(self, raw, X) -> np.ndarray:
+        try:
+            y = pack(self.output, raw, X, self.d_out)
+        except (TypeError, ValueError) as e:
+            raise OracleError(f"the oracle's answers do not fit {self.output.describe(self.d_out)}: {e}") from e
+        bad = ~np.isfinite(y)
+        if bad.any():
+            r = int(np.flatnonzero(bad.any(axis=1))[0])
+            raise OracleError(f"the oracle returned a non-finite number in answer row {r} "
+                              f"({int(bad.sum())} of {y.size} numbers are non-finite)")
+        return y
+
     def _query(self, X) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -193,6 +231,9 @@ class ModelOracle(Oracle):
 
     def __init__(self, model, **kw):
         d = kw.pop("d", None) or model.d
+        out = getattr(model, "output", None)
+        if out is not None and "output" not in kw:
+            kw["output"], kw["d_out"] = out, getattr(model, "d_out", None)
         super().__init__(d, **kw)
         self.model = model
 
@@ -236,6 +277,8 @@ class WrappedOracle(Oracle):
 
     def __init__(self, inner: Oracle, **kw):
         kw.setdefault("input_norm", inner.input_norm)
+        kw.setdefault("output", inner.output)
+        kw.setdefault("d_out", inner.d_out)
         super().__init__(inner.d, **kw)
         self.inner = inner
 
@@ -243,9 +286,10 @@ class WrappedOracle(Oracle):
         return f"{type(self).__name__}({self.inner!r}, {self._settings()})"
 
     def _query(self, X):
-        return self._transform(X, self.inner.query(X))
+        return self._transform(X, self.inner.query_packed(X))
 
     def _transform(self, X, y: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        """``y``: the inner answers, packed (value kinds: (n,); vector kinds: one row per vector)."""
         raise NotImplementedError
 
 

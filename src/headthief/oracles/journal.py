@@ -12,7 +12,8 @@ Format (a SQLite database; read it with any SQLite client):
   JSON object: target, method, seed and every setting that changes which queries are asked), ``created``.
 - ``answers(id INTEGER PRIMARY KEY, key BLOB UNIQUE, n INTEGER, answers BLOB, checksum BLOB)``: ``key`` is
   the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes (:func:`headthief.oracles.base.batch_key`),
-  ``answers`` the n float64 answers (little-endian), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
+  ``answers`` the float64 answers (little-endian): n numbers, or for vector answers n rows of d_out numbers
+  (one row per answered vector, :mod:`headthief.oracles.answers`), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
 
 Failure modes and what they do:
 
@@ -128,10 +129,11 @@ class Journal(Transcript):
                     ("format", FORMAT), ("fingerprint", json.dumps(self.fingerprint, sort_keys=True)),
                     ("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))])
         for rid, key, n, blob, chk in rows:
-            if _checksum(key, n, blob) != chk or len(blob) != 8 * n:
+            if _checksum(key, n, blob) != chk or n < 0 or (n and len(blob) % (8 * n)) or (not n and blob):
                 raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
                                    "move it aside to start afresh")
-            self._answers[bytes(key)] = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+            y = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+            self._answers[bytes(key)] = y if len(blob) == 8 * n else y.reshape(n, -1)   # vector answers: rows
 
     def __repr__(self) -> str:
         return f"Journal({str(self.path)!r}, batches={len(self)})"

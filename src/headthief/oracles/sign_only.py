@@ -30,5 +30,12 @@ class SignOnly(WrappedOracle):
         **kw: budget / transcript / input_norm of the wrapper itself (input_norm defaults to inner's).
     """
 
+    def __init__(self, inner, **kw):
+        if inner.output.vector:
+            raise ValueError(f"sign-only answers are one bit per sequence; this target answers "
+                             f"{inner.output.describe(inner.d_out)}")
+        kw.setdefault("output", "sign")
+        super().__init__(inner, **kw)
+
     def _transform(self, X, y: np.ndarray) -> np.ndarray:
         return (y > 0).astype(np.float64)

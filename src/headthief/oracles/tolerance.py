@@ -116,10 +116,20 @@ class Tolerance(WrappedOracle):
             out.append(int.from_bytes(h.digest(), "little") >> 11)
         return np.asarray(out, dtype=np.float64) * 2.0 ** -52 - 1.0
 
+    def noise_units_per_coordinate(self, X, shape) -> np.ndarray:
+        """Vector answers: one keyed unit in [-1, 1) per answered number (packed ``shape``), drawn from a
+        generator seeded by the sequence's keyed hash, so the same query always gets the same noise."""
+        seeds = (self.noise_units(X) + 1.0) * 2.0 ** 52
+        lens = np.ones(len(seeds), dtype=np.int64) if self.output.value == "last" else \
+            np.array([x.shape[0] for x in (X if not isinstance(X, np.ndarray) else X)], dtype=np.int64)
+        parts = [np.random.default_rng(int(s)).uniform(-1.0, 1.0, size=(int(L), shape[1]))
+                 for s, L in zip(seeds, lens)]
+        return np.concatenate(parts, axis=0) if parts else np.zeros(shape)
+
     def _transform(self, X, y: np.ndarray) -> np.ndarray:
         if self.kind == "round":
             return np.round(y, self.K)
-        u = self.noise_units(X)
+        u = self.noise_units(X) if y.ndim == 1 else self.noise_units_per_coordinate(X, y.shape)
         if self.kind == "adversarial":
             return y + self.tau * np.where(u >= 0, 1.0, -1.0)
         return y + self.tau * u

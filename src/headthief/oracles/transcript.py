@@ -25,11 +25,14 @@ class Transcript:
 
     @property
     def queries(self) -> int:
+        """Answered rows (sequences for value answers)."""
         return int(sum(a.shape[0] for a in self._answers.values()))
 
     def lookup(self, key: bytes, n: int) -> np.ndarray | None:
+        """The answers recorded under ``key`` if they have ``n`` rows (or, as saved to .npz, n numbers
+        or n vectors flattened; the oracle reshapes them)."""
         y = self._answers.get(key)
-        if y is None or y.shape[0] != n:
+        if y is None or (y.shape[0] != n and (y.ndim != 1 or n == 0 or y.size % n)):
             return None
         return y.copy()
 
@@ -39,8 +42,8 @@ class Transcript:
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
         keys = list(self._answers)
-        lengths = np.array([self._answers[k].shape[0] for k in keys], dtype=np.int64)
-        data = np.concatenate([self._answers[k] for k in keys]) if keys else np.zeros(0)
+        lengths = np.array([self._answers[k].size for k in keys], dtype=np.int64)
+        data = np.concatenate([self._answers[k].ravel() for k in keys]) if keys else np.zeros(0)
         hashes = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), -1) if keys else np.zeros((0, 16), np.uint8)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, hashes=hashes, lengths=lengths, answers=data)

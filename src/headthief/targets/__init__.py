@@ -58,6 +58,11 @@ def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
     d = ctx.get("d")
     if not d:
         raise SpecError("a py: target needs --d D (the token dimension of your model)")
+    output = ctx.get("output") or "value"
+    if output not in ("value", "last", "all"):
+        raise SpecError(f"--output {output!r}: use value (one number per sequence), last (a vector at the last "
+                        "position) or all (a vector at every position)")
+    d_out = ctx.get("d_out") or (int(d) if output != "value" else None)
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"py target: no such file {path!r}")
@@ -70,8 +75,9 @@ def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
     fn = getattr(module, func, None)
     if not callable(fn):
         raise SpecError(f"py target: {path} has no callable named {func!r}")
-    return Target(spec=spec, d=int(d), bias=bool(ctx.get("bias")), truth=None,
-                  make_oracle=lambda **kw: CallableOracle(fn, int(d), **kw), info={"callable": func})
+    return Target(spec=spec, d=int(d), bias=bool(ctx.get("bias")), truth=None, output=output, d_out=d_out,
+                  make_oracle=lambda **kw: CallableOracle(fn, int(d), **{"output": output, "d_out": d_out, **kw}),
+                  info={"callable": func, **({"output": output} if output != "value" else {})})
 
 
 register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero][,bias=1][,dtype=float32][,W_norm=X][,v_norm=Y][,v_min=M]",
@@ -109,6 +115,36 @@ def _build_multihead(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Ta
 register(TargetKind("multihead", "multihead:d=D,heads=H[,rank=R][,seed=S][,bias=1][,dtype=float32][,subspaces=orthogonal][,identical=1]",
                     "seeded random multi-head attention (Section 7; orthogonal subspaces = Assumption C.1; "
                     "identical=1 = Proposition 7.1's family)", _build_multihead))
+
+
+def _build_mha(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    from ..models.mha import random_layer
+    from .base import output_option
+    _check_keys("mha", opts, {"d", "heads", "head_dim", "seed", "bias", "causal", "output", "dtype"})
+    d = _int(opts, "d", lo=1)
+    H = _int(opts, "heads", lo=1)
+    head_dim = _int(opts, "head_dim", 0, lo=0) or None
+    seed = _int(opts, "seed", 0, lo=0)
+    bias = opts.get("bias", "0") in ("1", "true", "yes")
+    causal = opts.get("causal", "0") in ("1", "true", "yes")
+    output = output_option("mha", opts, "last")
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    check_size(spec, 4 * d * d + H * d * d)
+    try:
+        layer = random_layer(d, H, head_dim=head_dim, seed=seed, bias=bias, causal=causal, output=output,
+                             dtype=np.float32 if dtype == "float32" else np.float64)
+    except ValueError as e:
+        raise SpecError(f"{spec}: {e}") from None
+    return Target(spec=spec, d=d, bias=bias, truth=layer.canonical(), output=output, d_out=d,
+                  make_oracle=lambda **kw: ModelOracle(layer, **kw),
+                  info={"dtype": dtype, "heads": H, "head_dim": layer.head_dim, "causal": causal, "output": output})
+
+
+register(TargetKind("mha", "mha:d=D,heads=H[,head_dim=K][,bias=1][,causal=1][,output=last|all][,dtype=float32][,seed=S]",
+                    "a seeded random multi-head attention layer with output projection answering d-vectors (BERT's "
+                    "self-attention + output dense; biases with bias=1; causal mask with causal=1)", _build_mha))
 
 
 def _build_ffn(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
@@ -153,8 +189,9 @@ def describe() -> list[tuple[str, str]]:
     rows = [(k.syntax, k.description) for k in TARGET_KINDS.values()]
     rows.append(("http://HOST:PORT[?framing=auto|sparse|npy|json][&connect_wait=S] --api-key K",
                  "a model behind a `headthief serve` API (key also from HEADTHIEF_API_KEY)"))
-    rows.append(("py:PATH.py:FUNC --d D [--bias]",
-                 "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array"))
+    rows.append(("py:PATH.py:FUNC --d D [--bias] [--output last|all [--d-out K]]",
+                 "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array (--output last: "
+                 "one K-vector per array; --output all: one (N_i, K) array per array)"))
     return rows
 
 

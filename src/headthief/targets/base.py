@@ -24,6 +24,8 @@ class Target:
     truth: Any = None                 # AttentionHead or MultiHeadAttention (None: unknown)
     info: dict[str, Any] = field(default_factory=dict)
     bases: Any = None                 # known head subspaces (H, d, d_h), for multihead-subspaces
+    output: str = "value"             # the answer kind (headthief.oracles.answers.Output's value)
+    d_out: int | None = None          # the answer vectors' dimension (vector kinds)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,17 @@ def _float(opts, key, default):
         return float(opts[key])
     except ValueError:
         raise SpecError(f"target option {key}={opts[key]!r} is not a number") from None
+
+
+def output_option(kind: str, opts: dict, default: str | None = None) -> str | None:
+    """The ``output=last|all`` option of a target kind that can answer with vectors (None: not given)."""
+    out = opts.get("output", default)
+    if out is None:
+        return None
+    if out not in ("last", "all"):
+        raise SpecError(f"{kind}: output={out!r}: use output=last (the vector at the last position) or "
+                        "output=all (a vector at every position)")
+    return out
 
 
 def _check_keys(kind: str, opts: dict, allowed: set[str]) -> None:
