@@ -358,6 +358,22 @@ METHODS["ffn"] = Method(
     "hyperplane, gradient jumps, flips by least squares / LP or an m + 2 form; about 3 D m queries (bias: D = d + 1)")
 
 
+def _run_vector(oracle, target, args, progress, clean=None):
+    from .extraction.vector import extract_vector
+    h = str(getattr(args, "heads", "auto"))
+    heads = None if h == "auto" else int(h)
+    return extract_vector(oracle, **check_kw(args), heads=heads, rng=np.random.default_rng(args.seed),
+                          progress=progress)
+
+
+METHODS["vector"] = Method(
+    _run_vector, lambda t, a: None,
+    "ours: a multi-head attention layer with output projection from vector (hidden-state) answers: d + 1 "
+    "one-token queries for sum_h O_h and b, saturated two-token maps that split the heads' output spaces "
+    "(--heads auto finds H), soft anchor queries for every W_h and c_h")
+VECTOR_METHODS = {"vector"}
+
+
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is
 # what keeps additive noise from being made negligible just by scaling the inputs up (Section 6).
 NORM_BOUND_METHODS = {"noisy-paper", "noisy", "membership-paper", "membership"}

@@ -73,6 +73,8 @@ class Options:
     blas_threads: int | None = 1
     d: int | None = None
     bias: bool = False
+    output: str | None = None         # a py: target's answer kind (value, last, all)
+    d_out: int | None = None          # and its answer vectors' dimension
     api_key: str | None = None
     probes: str = "basis"
     scales: str = "adaptive"
@@ -117,7 +119,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "rank": {"lowrank", "rop", "multihead"},
     "oversample": {"lowrank"},
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
-    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer"},
+    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
     "sphere_queries": {"membership-paper"}, "eps_W": {"membership-paper"},
@@ -187,6 +189,8 @@ def auto_method(target: Target, opts: Options) -> str:
     """
     from .methods import published_output
     out = published_output(target)
+    if getattr(target, "output", "value") in ("last", "all"):
+        return "vector"
     if opts.sign_only or out == "sign":
         return "membership"
     if opts.noise is not None or opts.noise_mode is not None or out.startswith(("noisy:", "rounded:")):
@@ -228,7 +232,7 @@ def check_output_path(path: str | os.PathLike, what: str) -> Path:
 def saved_path(path: str | os.PathLike) -> Path:
     """Where ``numpy.savez`` writes ``path`` (it adds ``.npz`` when missing)."""
     p = Path(path)
-    return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+    return p if p.suffix in (".npz", ".safetensors") else p.with_name(p.name + ".npz")
 
 
 def validate(opts: Options, methods: Mapping[str, Any]) -> None:
@@ -272,7 +276,15 @@ def check_d(target: Target, opts: Options) -> None:
 
 def refuse_by_output(target: Target, method: str) -> None:
     """An API whose published answers are bits cannot serve a value method: refuse before the first query."""
-    from .methods import SIGN_ONLY_METHODS, published_output
+    from .methods import SIGN_ONLY_METHODS, VECTOR_METHODS, published_output
+    vector = getattr(target, "output", "value") in ("last", "all")
+    if vector and method not in VECTOR_METHODS:
+        raise SpecError(f"{target.spec} answers with vectors (output={target.output}, d_out={target.d_out}); "
+                        f"--method {method} reads one number per sequence: use --method vector")
+    if not vector and method in VECTOR_METHODS:
+        raise SpecError(f"--method {method} needs vector answers (a hidden-state API); {target.spec} answers one "
+                        "number per sequence (a scalar readout), from which the heads' output spaces cannot be "
+                        "seen: use --method multihead (or give a vector target: output=last|all, or py: --output)")
     if published_output(target) == "sign" and method not in SIGN_ONLY_METHODS:
         raise SpecError(f"the target publishes sign-only answers ({target.spec}: output 'sign'), which --method "
                         f"{method} cannot use; use --method {' or '.join(sorted(SIGN_ONLY_METHODS))}")
@@ -321,7 +333,7 @@ def _as_target(target, opts: Options) -> Target:
     if not isinstance(target, str):
         raise SpecError(f"target must be a spec string, a Target or an Oracle, got {type(target).__name__}")
     try:
-        return resolve(target, d=opts.d, bias=opts.bias, api_key=opts.api_key)
+        return resolve(target, d=opts.d, bias=opts.bias, api_key=opts.api_key, output=opts.output, d_out=opts.d_out)
     except MemoryError:
         raise SpecError(f"{target}: not enough memory to build this target (its parameters do not fit in this "
                         "machine's memory; choose a smaller d)") from None
@@ -530,6 +542,9 @@ def fingerprint(opts: Options) -> dict:
     fp = {"target": opts.target, "method": opts.method, "seed": opts.seed}
     for k in FINGERPRINT:
         fp[k] = getattr(opts, k)
+    for k in ("output", "d_out"):           # only when given: journals written before they existed still resume
+        if getattr(opts, k) is not None:
+            fp[k] = getattr(opts, k)
     return fp
 
 

@@ -24,7 +24,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--blas-threads", dest="blas_threads", type=int, default=D.blas_threads, metavar="N",
                    help="BLAS threads while extracting (default 1: more gain nothing here and contend with other "
                         "jobs on a busy machine; 0 leaves BLAS's own setting)")
-    e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez")
+    e.add_argument("--save", metavar="OUT.npz", help="write the recovered W, v (c, beta) with numpy.savez; --method "
+                   "vector: OUT.safetensors writes the layer in transformers' BertSelfAttention + BertSelfOutput.dense "
+                   "naming (load it with headthief.models.bert_export.load_bert_attention)")
     e.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     e.add_argument("--probes", choices=["basis", "gaussian"], default="basis",
                    help="probe design for exact: the paper's e_l / e_l+e_p probes, or Gaussian probes")
@@ -39,7 +41,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="skip the model check (the identities before, the fidelity verdict after)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     # multi-head methods
-    e.add_argument("--heads", default="auto", help="multihead: the number of heads, or 'auto' (default)")
+    e.add_argument("--heads", default="auto", help="multihead, vector: the number of heads, or 'auto' (default)")
     e.add_argument("--max-heads", dest="max_heads", type=int, default=16,
                    help="multihead: the most heads --heads auto accepts (default 16)")
     e.add_argument("--subspace-bases", dest="subspace_bases", metavar="FILE.npy", default=None,

@@ -11,6 +11,11 @@ the database's lock (``PATH.lock``: one server per database; a second ``serve`` 
 opens or makes the database. On stderr it prints ``headthief: serving TARGET on http://HOST:PORT ...``
 and, once uvicorn accepts requests, ``headthief serve: ready on http://HOST:PORT`` (``--port 0`` picks
 a free port). Keys are made with ``headthief keys add``.
+
+A target that answers vectors (``mha:d=32,heads=4,output=all``, ``minilm-layer:layer=2,output=last``,
+``torch-mha:d=64,output=all``) is served as such: ``/v1/info`` publishes ``answer_kind`` and ``d_out``,
+the answers carry the vectors, ``--noise`` / ``--noise-mode round:K`` apply per coordinate, and
+``--sign-only`` (one bit per sequence) is refused with exit 2.
 """
 
 from __future__ import annotations
@@ -159,7 +164,8 @@ def run(args) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print("headthief: warning: listening beyond loopback without TLS; put a TLS proxy in front", file=sys.stderr)
-    print(f"headthief: serving {args.target} on {url} (database {args.db}; defences "
+    answers = "" if not service.kind.vector else f"answers {service.kind.describe(service.d_out)}; "
+    print(f"headthief: serving {args.target} on {url} ({answers}database {args.db}; defences "
           f"{service.defence.settings() or 'none'}; limits {service.defence.max_batch} sequences x "
           f"{service.defence.max_len} tokens; Idempotency-Key {'required' if args.require_idempotency else 'optional'}"
           f"{'; ledger sync=normal: not durable against power loss' if args.sync == 'normal' else ''})",

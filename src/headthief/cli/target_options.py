@@ -48,6 +48,11 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = Tr
                              "itself it must agree")
     parser.add_argument("--bias", action="store_true",
                         help="the py: target may have score/output biases (c, beta)")
+    parser.add_argument("--output", choices=("value", "last", "all"), default=None,
+                        help="what a py: target's function returns per sequence: value (one number, the default), "
+                             "last (one vector, the last position's) or all (an (N, d_out) array)")
+    parser.add_argument("--d-out", dest="d_out", type=whole_number("--d-out"), default=None, metavar="K",
+                        help="the dimension of a py: target's answer vectors (default: d)")
     if api_key:
         parser.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
                             help=f"API key of an http:// target (default: the {API_KEY_ENV} environment variable)")
@@ -66,6 +71,7 @@ def target_from_args(args: argparse.Namespace):
     d = getattr(args, "d", None)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     from ..pipeline import Options, check_d
-    target = resolve(args.target, d=d, bias=bool(getattr(args, "bias", False)), api_key=api_key)
+    target = resolve(args.target, d=d, bias=bool(getattr(args, "bias", False)), api_key=api_key,
+                     output=getattr(args, "output", None), d_out=getattr(args, "d_out", None))
     check_d(target, Options(d=d))
     return target

@@ -29,6 +29,13 @@ basis probes: ~99% zeros) goes as ``application/x-headthief-sparse`` (its nonzer
 where the dense array is megabytes), any other as ``.npy``, sent as a small header followed by the
 array's own buffer (no copy). The idempotency key hashes the batch once, from its nonzero entries
 when it is sparse (:func:`payload_hash`).
+
+Vector answers: a server whose ``/v1/info`` publishes ``answer_kind`` ``last`` or ``all`` (with
+``d_out``) makes this oracle one of that kind (``oracle.output``, ``oracle.d_out``): ``query`` returns
+what a local oracle of that kind returns, bit for bit, whatever the framing. Requests are split so that
+each answer also fits the server's ``max_answer_numbers`` (``.npy``) or ``max_json_answer_numbers``
+(JSON). What the server's defences leave of the answers (``value``, ``noisy:TAU``, ``rounded:K``,
+``sign``) is ``oracle.server_output``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BudgetExceeded, InvalidQuery, OracleError, SpecError
+from .answers import Output, lengths_of
 from .base import Oracle
 
 JSON = "application/json"
@@ -290,6 +298,8 @@ class HTTPOracle(Oracle):
         self.server_replays = 0    # requests the server answered from its ledger (free)
         self.sent: dict[str, int] = {}     # requests sent (attempts included) per framing (npy, sparse, json)
         self.sent_bytes = 0        # request body bytes sent (attempts included)
+        self.received_bytes = 0    # answer body bytes received (answers 200)
+        self.received_numbers = 0  # numbers in the answers received (answers 200, the server's replays included)
         self.info = self._get_info()
         accepted = self.info.get("framings", [JSON, NPY])
         if framing == "auto" and SPARSE not in accepted:
@@ -300,21 +310,50 @@ class HTTPOracle(Oracle):
         self.framing = framing
         if kw.get("input_norm") is None and self.info.get("input_norm") is not None:
             kw["input_norm"] = float(self.info["input_norm"])
-        super().__init__(int(self.info["d"]), **kw)
+        # what the answers are, as the server publishes them for this key (its defences may be laid over
+        # the server's): the model check and the noisy method read the tolerance from here
+        published = str(self.info.get("output") or "value")
+        if self.api_key:
+            try:
+                published = str(self.usage().get("output") or published)
+            except OracleError:
+                pass            # a bad key: the first query says so
+        self.server_output = published
+        output, d_out = self._answer_kind(published)
+        for k, mine in (("output", output), ("d_out", d_out)):
+            asked = kw.pop(k, None)
+            if asked is not None and (Output.parse(asked) if k == "output" else int(asked)) != mine:
+                raise SpecError(f"{self.url} answers {output.describe(d_out)}; {k}={asked} was asked for")
+        super().__init__(int(self.info["d"]), output=output, d_out=d_out, **kw)
         self.max_batch = int(self.info.get("max_batch", 1024))
         self.max_len = int(self.info.get("max_len", 4096))
         self.max_body = int(self.info.get("max_body_bytes", 2**26))
         self.max_json = int(self.info.get("max_json_bytes", self.max_body))     # older servers: one limit
+        self.max_answer = int(self.info.get("max_answer_numbers") or self.max_body // 8)
+        self.max_json_answer = int(self.info.get("max_json_answer_numbers") or self.max_json // 24)
         self.run_id = run_id or _journal_run_id(self.transcript) or os.urandom(16).hex()
-        # what the answers are, as the server publishes them for this key (its defences may be laid over
-        # the server's): the model check and the noisy method read the tolerance from here
-        self.output = str(self.info.get("output") or "value")
-        if self.api_key:
-            try:
-                self.output = str(self.usage().get("output") or self.output)
-            except OracleError:
-                pass            # a bad key: the first query says so
-        self.answer_tau, self.answer_sign = output_tolerance(self.output), self.output == "sign"
+        self.answer_tau, self.answer_sign = output_tolerance(published), published == "sign"
+
+    def _answer_kind(self, published: str) -> "tuple[Output, int | None]":
+        """This oracle's answer kind and d_out from ``/v1/info`` (``answer_kind``, ``d_out``; a server
+        without them answers values) and the key's published output (``sign``: bits)."""
+        try:
+            kind = Output.parse(self.info.get("answer_kind") or "value")
+        except ValueError as e:
+            raise OracleError(f"{self.url}/v1/info: {e}") from None
+        if not kind.vector:
+            return (Output.SIGN if published == "sign" else kind), None
+        try:
+            d_out = int(self.info.get("d_out") or self.info["d"])
+        except (TypeError, ValueError):
+            raise OracleError(f"{self.url}/v1/info publishes answer_kind={kind.value} without a valid d_out "
+                              f"({self.info.get('d_out')!r})") from None
+        if d_out < 1:
+            raise OracleError(f"{self.url}/v1/info publishes d_out={d_out}; it must be >= 1")
+        if published == "sign":
+            raise OracleError(f"{self.url} answers {kind.describe(d_out)}, but publishes sign-only answers for this "
+                              "key, which a vector answer cannot be")
+        return kind, d_out
 
     def _settings(self) -> str:
         return f"{self.url!r}, framing={self.framing!r}, " + super()._settings()
@@ -378,17 +417,29 @@ class HTTPOracle(Oracle):
 
     def stats(self) -> dict[str, Any]:
         """What the transport did: requests answered, attempts repeated, 429s waited out, answers the
-        server replayed from its ledger, bytes sent, and requests sent per framing."""
+        server replayed from its ledger, bytes sent, requests sent per framing, and the answers received
+        (bytes, and numbers: one per sequence for values, ``d_out`` per answered vector)."""
         return {"requests": self.requests, "retried": self.retried, "rate_waits": self.rate_waits,
                 "waited_s": round(self.waited, 3), "server_replays": self.server_replays,
-                "sent_bytes": self.sent_bytes, "sent": dict(self.sent)}
+                "sent_bytes": self.sent_bytes, "sent": dict(self.sent), "received_bytes": self.received_bytes,
+                "numbers_received": self.received_numbers}
 
     # -- queries ------------------------------------------------------------------------------------
+
+    def _answer_numbers(self, N: int) -> int:
+        """Numbers in the answer to one sequence of N tokens."""
+        if not self.output.vector:
+            return 1
+        return (N if self.output is Output.ALL else 1) * int(self.d_out)
 
     def _per_request(self, N: int) -> int:
         per_seq = N * self.d * {"json": 26, "sparse": 16}.get(self.framing, 8) + 16
         limit = self.max_json if self.framing == "json" else self.max_body
-        return max(1, min(self.max_batch, (limit - 1024) // per_seq))
+        step = max(1, min(self.max_batch, (limit - 1024) // per_seq))
+        if self.output.vector:      # the answer must fit too: d_out numbers per sequence (last) or token (all)
+            most = self.max_json_answer if self.framing == "json" else self.max_answer
+            step = max(1, min(step, most // self._answer_numbers(N)))
+        return step
 
     def _query(self, X) -> np.ndarray:
         seqs = X if isinstance(X, np.ndarray) else X
@@ -396,11 +447,24 @@ class HTTPOracle(Oracle):
         lengths = np.array([X.shape[1]] * n if isinstance(X, np.ndarray) else [x.shape[0] for x in X])
         if lengths.max() > self.max_len:
             raise InvalidQuery(f"a sequence has {int(lengths.max())} tokens; the server accepts at most {self.max_len}")
+        if self.output.vector:
+            most = self.max_json_answer if self.framing == "json" else self.max_answer
+            one = self._answer_numbers(int(lengths.max()))
+            if one > most:
+                raise InvalidQuery(f"the answer to a sequence of {int(lengths.max())} tokens holds {one} numbers; the "
+                                   f"server sends at most {most} in one {'JSON' if self.framing == 'json' else '.npy'} "
+                                   "answer" + (" (framing=npy sends larger ones)" if self.framing == "json" else ""))
         if self.framing != "json" and not isinstance(X, np.ndarray):
             groups = [np.flatnonzero(lengths == N) for N in sorted(set(lengths.tolist()))]
         else:
             groups = [np.arange(n)]
-        y = np.empty(n)
+        # the answers, unpacked as a local oracle of this kind gives them (Oracle.query packs them again)
+        if self.output is Output.ALL:
+            y = np.empty((n, X.shape[1], self.d_out)) if isinstance(X, np.ndarray) else [None] * n
+        elif self.output.vector:
+            y = np.empty((n, self.d_out))
+        else:
+            y = np.empty(n)
         for idx in groups:
             step = self._per_request(int(lengths[idx].max()))
             for s in range(0, len(idx), step):
@@ -409,7 +473,14 @@ class HTTPOracle(Oracle):
                     chunk = seqs[part[0]:part[-1] + 1] if len(groups) == 1 else seqs[part]
                 else:
                     chunk = [seqs[i] for i in part]
-                y[part] = self._send(chunk)
+                ans = self._send(chunk)
+                if self.output is not Output.ALL:
+                    y[part] = ans
+                elif isinstance(y, np.ndarray):
+                    y[part] = ans.reshape(len(part), X.shape[1], self.d_out)
+                else:
+                    for i, a in zip(part, np.split(ans, np.cumsum(lengths[part])[:-1], axis=0)):
+                        y[i] = a
         return y
 
     def _send(self, chunk) -> np.ndarray:
@@ -448,7 +519,7 @@ class HTTPOracle(Oracle):
                 status = r.status_code
                 if status == 200:
                     self.requests += 1
-                    return self._parse(r, n)
+                    return self._parse(r, chunk)
                 last = f"HTTP {status}: {self._detail(r)}"
                 if status == 429:
                     wait = self._retry_after(r, 1.0)
@@ -494,25 +565,80 @@ class HTTPOracle(Oracle):
         except ValueError:
             return r.text[:300]
 
-    def _parse(self, r, n: int) -> np.ndarray:
+    def _parse(self, r, chunk) -> np.ndarray:
+        """The answers of a 200 response to ``chunk``, packed (values: (n,); vectors: one row per vector)."""
+        n = int(chunk.shape[0]) if isinstance(chunk, np.ndarray) else len(chunk)
         ctype = (r.headers.get("content-type") or "").split(";")[0].strip()
         try:
             if ctype == NPY:
-                y = _npy_fast_1d(r.content)
+                y = _npy_fast(r.content)
                 if y is None:
                     y = np.load(io.BytesIO(r.content), allow_pickle=False)
+                y = np.asarray(y, dtype=np.float64)
                 replayed = r.headers.get("x-headthief-replayed") == "true"
             else:
                 doc = r.json()
-                y = np.asarray(doc["values"], dtype=np.float64)
+                values = doc["values"]
                 replayed = bool(doc.get("replayed"))
+                y = None if self.output is Output.ALL else np.asarray(values, dtype=np.float64)
         except (ValueError, KeyError, TypeError, OSError) as e:
             raise OracleError(f"{self.url} sent an answer that does not decode ({e})") from None
         if replayed:
             self.server_replays += 1
-        if y.shape != (n,):
-            raise OracleError(f"{self.url} sent {y.size} values for {n} sequences")
+        self.received_bytes += len(r.content)
+        if not self.output.vector:
+            if y.shape != (n,):
+                raise OracleError(f"{self.url} sent {y.size} values for {n} sequences")
+        elif self.output is Output.LAST:
+            if y.shape != (n, self.d_out):
+                raise OracleError(f"{self.url} sent answers of shape {y.shape} for {n} sequences; expected one "
+                                  f"{self.d_out}-vector each, ({n}, {self.d_out})")
+        else:
+            y = self._rows(y if ctype == NPY else values, chunk, r.headers.get("x-headthief-lengths"))
+        self.received_numbers += int(y.size)
         return y
+
+    def _rows(self, ans, chunk, lengths_header: str | None) -> np.ndarray:
+        """``all`` answers as the packed (sum N_i, d_out) rows, checked against the chunk's lengths: an
+        (n, N, d_out) array, packed rows with the ``X-Headthief-Lengths`` header, or (JSON) one list of
+        N_i vectors per sequence."""
+        lens, d_out = lengths_of(chunk), int(self.d_out)
+        n = len(lens)
+        bad = f"{self.url} sent answers that do not fit {n} sequences of lengths {sorted(set(lens.tolist()))}"
+        if isinstance(ans, np.ndarray):
+            if ans.ndim == 3 and ans.shape[0] == n and ans.shape[2] == d_out and np.all(lens == ans.shape[1]):
+                return ans.reshape(-1, d_out)
+            if ans.ndim == 2 and ans.shape == (int(lens.sum()), d_out):
+                sent = None
+                if lengths_header is not None:
+                    try:
+                        sent = [int(k) for k in lengths_header.split(",")]
+                    except ValueError:
+                        sent = None
+                if sent is not None and sent == lens.tolist():
+                    return ans
+            raise OracleError(f"{bad} (an array of shape {ans.shape}, lengths {lengths_header!r}), "
+                              f"each a ({'N_i'}, {d_out}) block")
+        try:
+            if len(ans) != n:
+                raise ValueError(f"{len(ans)} answers")
+            A = None
+            if n and np.all(lens == lens[0]):
+                try:
+                    A = np.asarray(ans, dtype=np.float64)
+                except ValueError:
+                    A = None
+            if A is not None:
+                if A.shape != (n, int(lens[0]), d_out):
+                    raise ValueError(f"shape {A.shape}")
+                return A.reshape(-1, d_out)
+            parts = [np.asarray(a, dtype=np.float64) for a in ans]
+            for i, (p, N) in enumerate(zip(parts, lens)):
+                if p.shape != (N, d_out):
+                    raise ValueError(f"answer {i} has shape {p.shape}, not ({N}, {d_out})")
+            return np.concatenate(parts, axis=0) if parts else np.zeros((0, d_out))
+        except (ValueError, TypeError) as e:
+            raise OracleError(f"{bad}: {e}") from None
 
     def _raise(self, r, status: int, n: int):
         try:
@@ -540,9 +666,10 @@ def npy_header(shape) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d.encode("latin1")
 
 
-def _npy_fast_1d(content: bytes) -> np.ndarray | None:
-    """The answer as :func:`encode_npy` writes it (a 1-D ``<f8`` array, version 1.0 header), read
-    without a file object; None for anything else (then :func:`numpy.load` reads it)."""
+def _npy_fast(content: bytes) -> np.ndarray | None:
+    """The answer as :func:`encode_npy` writes it (a C-ordered ``<f8`` array of any number of
+    dimensions, version 1.0 header), read without a file object; None for anything else (then
+    :func:`numpy.load` reads it)."""
     if len(content) < 10 or content[:8] != b"\x93NUMPY\x01\x00":
         return None
     end = 10 + int.from_bytes(content[8:10], "little")
@@ -550,9 +677,15 @@ def _npy_fast_1d(content: bytes) -> np.ndarray | None:
     if not head.startswith(b"{'descr': '<f8', 'fortran_order': False, 'shape': (") or not head.rstrip().endswith(b"), }"):
         return None
     dims = head[head.index(b"(") + 1:head.rindex(b")")].split(b",")
-    if len(dims) != 2 or dims[1].strip() or not dims[0].strip().isdigit():
+    if dims and not dims[-1].strip():
+        dims = dims[:-1]            # (n,) and (n, N, d,): a trailing comma
+    if not dims or not all(k.strip().isdigit() for k in dims):
         return None
-    n = int(dims[0])
-    if len(content) - end != 8 * n:
+    shape = tuple(int(k) for k in dims)
+    count = int(np.prod(shape))
+    if len(content) - end != 8 * count:
         return None
-    return np.frombuffer(content, dtype="<f8", count=n, offset=end).copy()
+    return np.frombuffer(content, dtype="<f8", count=count, offset=end).reshape(shape).copy()
+
+
+_npy_fast_1d = _npy_fast        # the name before vector answers

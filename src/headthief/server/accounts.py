@@ -9,8 +9,11 @@ One database holds everything a provider must not lose in a crash:
   optional per-key defence (a JSON object, see :mod:`headthief.server.defences`) and ``flagged_at``
   (the query count at which the query-distribution detector flagged the key, NULL if never).
 - ``ledger``: one row per charged request: the key, the request's ``Idempotency-Key``, a hash of the
-  decoded payload, the number of queries charged and the answers sent (float64 little-endian). It is
-  also the idempotency store: a retry with the same key is answered from its row, free.
+  decoded payload, the number of queries charged (``n``: sequences), the answers sent (float64
+  little-endian; for a vector target one row of ``d_out`` numbers per answered vector, packed as
+  :mod:`headthief.oracles.answers` does) and how many numbers they are (``numbers``; NULL in rows
+  written before vector answers, which hold ``n``). It is also the idempotency store: a retry with
+  the same key is answered from its row, free.
 - ``meta``: the format and the server's secret (the key of the keyed-hash noise defences).
 
 Exactly-once charging: a charge is one transaction that inserts the ledger row (with the answers)
@@ -142,6 +145,12 @@ class Accounts:
             """)
             if "revoked" not in {r[1] for r in self._db.execute("PRAGMA table_info(keys)").fetchall()}:
                 self._db.execute("ALTER TABLE keys ADD COLUMN revoked TEXT")     # databases made before revocation
+            if "numbers" not in {r[1] for r in self._db.execute("PRAGMA table_info(ledger)").fetchall()}:
+                try:
+                    self._db.execute("ALTER TABLE ledger ADD COLUMN numbers INTEGER")   # made before vector answers
+                except sqlite3.OperationalError as e:      # another process (keys, serve) added it just now
+                    if "duplicate column" not in str(e):
+                        raise
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
             if not meta:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -318,17 +327,21 @@ class Accounts:
         return [(int(n), bytes(x)) for n, x in points], [float(d) for (d,) in reversed(dists)]
 
     def charge(self, rec: KeyRecord, idem_key: str, payload_hash: bytes, answers: np.ndarray, *,
-               flagged: bool = False, flag_at: int | None = None, prada: dict | None = None) -> int:
-        """Charge ``len(answers)`` queries and store the response, in one transaction; return ``used``.
-        ``prada``: what the request added to the key's detector (``Prada.observe``), stored with it."""
+               n: int | None = None, flagged: bool = False, flag_at: int | None = None,
+               prada: dict | None = None) -> int:
+        """Charge ``n`` queries (default ``len(answers)``: one value per sequence) and store the response
+        (any float64 array: vector answers are packed rows, more numbers than queries), in one transaction;
+        return ``used``. ``prada``: what the request added to the key's detector (``Prada.observe``),
+        stored with it."""
         y = np.ascontiguousarray(answers, dtype="<f8")
-        n = int(y.shape[0])
+        n = int(y.shape[0]) if n is None else int(n)
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("INSERT INTO ledger (key_id, idem_key, payload_hash, n, answers, flagged, at) "
-                                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                 (rec.id, idem_key, payload_hash, n, y.tobytes(), int(flagged), time.time()))
+                self._db.execute("INSERT INTO ledger (key_id, idem_key, payload_hash, n, answers, flagged, at, numbers) "
+                                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                 (rec.id, idem_key, payload_hash, n, y.tobytes(), int(flagged), time.time(),
+                                  int(y.size)))
                 tokens, at = self._buckets.get(rec.id, (None, None))
                 self._db.execute("UPDATE keys SET used = used + ?, tokens = COALESCE(?, tokens), "
                                  "tokens_at = COALESCE(?, tokens_at), flagged_at = COALESCE(flagged_at, ?) "
@@ -366,7 +379,8 @@ class Accounts:
             rows = self._db.execute(
                 "SELECT k.name, k.used, k.budget, COALESCE(SUM(l.n), 0), COUNT(l.id) FROM keys k "
                 "LEFT JOIN ledger l ON l.key_id = k.id GROUP BY k.id").fetchall()
-            bad = self._db.execute("SELECT COUNT(*) FROM ledger WHERE length(answers) != 8 * n").fetchone()[0]
+            bad = self._db.execute("SELECT COUNT(*) FROM ledger WHERE length(answers) != 8 * COALESCE(numbers, n) "
+                                   "OR COALESCE(numbers, n) < n").fetchone()[0]
         for name, used, budget, total, _ in rows:
             if used != total:
                 problems.append(f"key {name!r}: used {used} but the ledger charges {total}")

@@ -12,7 +12,11 @@
    than ``max_batch`` elements or ``max_len`` in one (:func:`~headthief.server.framing.json_batch_excess`),
    else **413**; the body decodes into sequences of the published dimension, every entry finite and
    every token within the input-norm bound, at most ``max_batch`` sequences of at most ``max_len``
-   tokens, else **422** naming the problem;
+   tokens, else **422** naming the problem; its answer fits one answer body (``max_answer_numbers``
+   numbers as ``.npy``, ``max_json_answer_numbers`` as JSON; never fewer than ``max_batch``), else
+   **422** (``error: answer_too_large``): a vector target's answers are ``d_out`` numbers per sequence
+   (``last``) or per token (``all``); a key whose own defences ask for sign-only answers from a vector
+   target: **403** (``error: defence_unsupported``);
 5. the key's rate limit has a request left, else **429** with ``Retry-After``;
 6. the key is not refused by the query-distribution detector, else **403** (``error: flagged``);
 7. the idempotency key: already charged with the same payload: the stored response again, free;
@@ -22,8 +26,14 @@
 9. the answers are computed, charged and stored in one transaction (see
    :mod:`headthief.server.accounts`), then sent.
 
+Answers: ``/v1/info`` publishes their kind (``answer_kind``: ``value``, one number per sequence, or
+``last`` / ``all``, a ``d_out``-vector at the last / every position) and ``d_out``; ``output`` says
+what the defences leave of them (``value``, ``noisy:TAU`` and ``rounded:K``, per coordinate for
+vectors, or ``sign``, refused at start for a vector target). One query is one sequence whatever the
+kind: budgets, the ledger and idempotency count sequences.
+
 The published (and enforced) ``max_batch`` and ``max_len`` are fitted to the byte limit
-(:func:`fit_limits`: a full batch fits ``max_body_bytes`` as float64), so a batch just beyond them in
+(:func:`fit_limits`: a full batch, and its answer, fits ``max_body_bytes`` as float64), so a batch just beyond them in
 any framing is small enough to read and is answered 422, never 413; 413 is left for bodies that are
 merely too many bytes (long decimals, whitespace, or a JSON batch within the limits above
 ``max_json_bytes``: send it as ``.npy``).
@@ -46,6 +56,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import InvalidQuery, OracleError
+from ..oracles.answers import Output, lengths_of, numbers_of
 from ..oracles.http import payload_hash
 from .accounts import Accounts, KeyRecord
 from .defences import D_MAX, Defence, Prada, parse_defence
@@ -62,12 +73,19 @@ MAX_IDEM_KEY = 255
 AUTO_KEY_PREFIX = "auto:"      # + 128 random bits: the ledger key of a request sent without an Idempotency-Key
 MAX_ABS_ENTRY = 1e100     # larger entries overflow the head's scores (x^T W x) in float64: refused, 422
 MIN_FIT_LEN = 32          # fit_limits shortens max_len first, but not below this (verification probes: 1..32 tokens)
+JSON_NUMBER_BYTES = 24    # a float64 in JSON: up to 17 digits, sign, point, exponent, separator ("-1.2345678901234567e-05,")
 
 
-def fit_limits(max_batch: int, max_len: int, d: int, max_body_bytes: int) -> tuple[int, int]:
+def fit_limits(max_batch: int, max_len: int, d: int, max_body_bytes: int, *, d_out: int | None = None,
+               output: str = "value") -> tuple[int, int]:
     """The batch limits a server publishes and enforces: ``max_batch`` sequences of ``max_len`` tokens,
     lowered where needed so that a full batch fits the byte limit as float64
     (``max_batch * max_len * d * 8 <= max_body_bytes``, what an ``.npy`` or sparse body may hold).
+
+    Vector answers (``output`` ``last`` or ``all``, of dimension ``d_out``) must fit it too, as an
+    ``.npy`` answer: ``all`` answers ``d_out`` numbers per token, so a token counts ``max(d, d_out)``
+    float64s; ``last`` answers ``d_out`` numbers per sequence, so ``max_batch * d_out * 8 <=
+    max_body_bytes`` as well.
 
     Without this the published limits are promises the server cannot keep together (the defaults, 4096
     sequences of 4096 tokens at d = 64, are 8.6 GB as ``.npy``), and a batch one sequence beyond them
@@ -77,7 +95,12 @@ def fit_limits(max_batch: int, max_len: int, d: int, max_body_bytes: int) -> tup
     number, against 8 for float64), so it is read and answered 422. ``max_len`` is lowered first (to
     ``max(MIN_FIT_LEN, fit)``: extraction sends many short sequences), then ``max_batch``; limits that
     already fit are kept as given."""
-    cap = max(1, int(max_body_bytes) // (8 * int(d)))      # tokens a body of max_body_bytes holds
+    width = int(d)
+    if output == "all" and d_out:
+        width = max(width, int(d_out))                      # the answer holds a d_out-vector per token
+    if output == "last" and d_out:
+        max_batch = max(1, min(max_batch, int(max_body_bytes) // (8 * int(d_out))))    # a d_out-vector per sequence
+    cap = max(1, int(max_body_bytes) // (8 * width))      # tokens a body (and its answer) of max_body_bytes holds
     if max_batch * max_len <= cap:
         return max_batch, max_len
     max_len = max(1, min(max_len, max(MIN_FIT_LEN, cap // max_batch), cap))
@@ -124,6 +147,9 @@ class Service:
             from ..targets import resolve
             target = resolve(target)
         self.target = target
+        # the answer kind: one number per sequence (value), or vectors (last, all) of dimension d_out
+        self.kind = Output.parse(getattr(target, "output", None) or "value")
+        self.d_out = int(getattr(target, "d_out", None) or target.d) if self.kind.vector else None
         if int(max_body_bytes) < 1 or int(max_json_bytes) < 1:
             raise SpecError(f"the body limits must be >= 1 byte, got max_body_bytes={max_body_bytes}, "
                             f"max_json_bytes={max_json_bytes}")
@@ -132,6 +158,7 @@ class Service:
         self.require_idempotency = bool(require_idempotency)
         self.accounts = db if isinstance(db, Accounts) else Accounts(db, sync=sync)
         self.defence = self._fit(defence or Defence())
+        self._check_defence(self.defence, "the server's")
         self._oracles: dict[Defence, Any] = {}
         self._prada: dict[int, Prada] = {}
         self._prada_lock = threading.Lock()
@@ -169,10 +196,29 @@ class Service:
         return f"Service({self.target.spec!r}, {self.accounts!r}, defence={self.defence.settings()})"
 
     def _fit(self, defence: Defence) -> Defence:
-        """``defence`` with its batch limits fitted to the byte limit (:func:`fit_limits`)."""
+        """``defence`` with its batch limits fitted to the byte limit (:func:`fit_limits`), answers included."""
         from dataclasses import replace
-        b, n = fit_limits(defence.max_batch, defence.max_len, self.target.d, self.max_body_bytes)
+        b, n = fit_limits(defence.max_batch, defence.max_len, self.target.d, self.max_body_bytes, d_out=self.d_out,
+                          output=self.kind.value)
         return defence if (b, n) == (defence.max_batch, defence.max_len) else replace(defence, max_batch=b, max_len=n)
+
+    def _check_defence(self, defence: Defence, whose: str) -> None:
+        """Refuse defences that do not fit the answer kind: sign-only output keeps one bit of one number per
+        sequence, which a vector answer does not have (noise and rounding apply per coordinate)."""
+        if defence.sign and self.kind.vector:
+            from ..errors import SpecError
+            raise SpecError(f"{whose} defences ask for sign-only answers (one bit per sequence), but the target "
+                            f"{self.target.spec} answers {self.kind.describe(self.d_out)}: sign-only output is "
+                            "refused for vector targets (noise and rounding apply per coordinate)")
+
+    def answer_limit(self, mt: str, defence: Defence) -> int:
+        """The most numbers one answer may hold in the media type ``mt``: what an ``.npy`` of
+        ``max_body_bytes`` holds, or for JSON about ``max_json_bytes`` of text
+        (:data:`JSON_NUMBER_BYTES` a number; building it costs several times that in Python objects), but
+        never fewer than ``max_batch`` (a value answer is always within it)."""
+        if mt == NPY:
+            return max(defence.max_batch, self.max_body_bytes // 8)
+        return max(defence.max_batch, self.max_json_bytes // JSON_NUMBER_BYTES)
 
     def defence_for(self, rec: KeyRecord) -> Defence:
         return self._fit(parse_defence(rec.defence, self.defence)) if rec.defence else self.defence
@@ -180,6 +226,10 @@ class Service:
     def oracle_for(self, defence: Defence):
         o = self._oracles.get(defence)
         if o is None:
+            try:
+                self._check_defence(defence, "this key's")
+            except Exception as e:  # noqa: BLE001 - a SpecError: a key made for another kind of target
+                raise Problem(403, "defence_unsupported", str(e)) from None
             o = defence.wrap(self.target.make_oracle(input_norm=defence.norm), self.accounts.secret)
             self._oracles[defence] = o
         return o
@@ -190,8 +240,10 @@ class Service:
                 "max_len": d.max_len, "max_body_bytes": self.max_body_bytes, "max_json_bytes": self.max_json_bytes,
                 "input_norm": d.norm, "framings": list(FRAMINGS),
                 "idempotency": "required" if self.require_idempotency else "optional",
-                "max_abs_entry": MAX_ABS_ENTRY, "version": __version__}
-
+                "max_abs_entry": MAX_ABS_ENTRY, "version": __version__,
+                "answer_kind": self.kind.value, "d_out": self.d_out,
+                "max_answer_numbers": self.answer_limit(NPY, d),
+                "max_json_answer_numbers": self.answer_limit(JSON, d)}
 
 
     def authenticate(self, authorization: str | None) -> KeyRecord:
@@ -249,6 +301,13 @@ class Service:
                           f"{self.max_json_bytes} (send larger batches as application/x-npy, up to "
                           f"{self.max_body_bytes} bytes, or split them)")
         X, n, ph = self._decode(body, mt, defence)
+        numbers = numbers_of(self.kind, X, self.d_out)      # what the answer holds: n, or n * d_out, or sum(N_i) * d_out
+        most = self.answer_limit(out_mt, defence)
+        if numbers > most:
+            raise Problem(422, "answer_too_large", f"the answer to this batch holds {numbers} numbers "
+                          f"({self.kind.describe(self.d_out)} for each of {n} sequences); the most in one "
+                          f"{'.npy' if out_mt == NPY else 'JSON'} answer is {most}: send fewer sequences per request"
+                          + (" or ask for the answer as application/x-npy (Accept)" if out_mt != NPY else ""))
         oracle = self.oracle_for(defence)
         if defence.norm is not None:
             try:
@@ -276,7 +335,12 @@ class Service:
             if info.payload_hash != ph_job.result():
                 raise Problem(409, "idempotency_key_reused", "this Idempotency-Key was used before with a different "
                               "payload; use a new key for a new batch")
-            return self._answer(info.answers, out_mt, charged=0, used=self.accounts.get(rec.id).used,
+            if info.answers.size != numbers:
+                raise Problem(409, "idempotency_key_reused", f"the answer stored under this Idempotency-Key holds "
+                              f"{info.answers.size} numbers, but this server answers this batch with {numbers} (the "
+                              "served target changed?); use a new key")
+            stored = info.answers.reshape(-1, self.d_out) if self.kind.vector else info.answers
+            return self._answer(stored, X, out_mt, charged=0, used=self.accounts.get(rec.id).used,
                                 budget=rec.budget, replayed=True, flagged=info.flagged)
         if state == "inflight":
             raise Problem(409, "in_flight", "a request with this Idempotency-Key is still being processed; retry "
@@ -288,7 +352,7 @@ class Service:
                           spent=used, budget=budget, requested=n)
         try:
             try:
-                y = oracle.query(X)
+                y = oracle.query_packed(X)      # value kinds: (n,); vectors: one row per answered vector
             except (InvalidQuery, OracleError) as e:
                 raise Problem(422, "invalid_batch", f"the model cannot answer this batch: {e}") from None
             flag_at, added = None, None
@@ -298,12 +362,13 @@ class Service:
                 flagged_now = det.observe(X, added)
                 if flagged_now is not None and rec.flagged_at is None:
                     flag_at = det.base + flagged_now
-            used = self.accounts.charge(rec, idem_key, ph_job.result(), y, flagged=flag_at is not None or rec.flagged_at is not None,
+            used = self.accounts.charge(rec, idem_key, ph_job.result(), y, n=n,
+                                        flagged=flag_at is not None or rec.flagged_at is not None,
                                         flag_at=flag_at, prada=added)
         except BaseException:
             self.accounts.abandon(rec, idem_key, n)
             raise
-        return self._answer(y, out_mt, charged=n, used=used, budget=rec.budget, replayed=False,
+        return self._answer(y, X, out_mt, charged=n, used=used, budget=rec.budget, replayed=False,
                             flagged=flag_at is not None or rec.flagged_at is not None)
 
     def _decode(self, body: bytes, mt: str, defence: Defence):
@@ -352,13 +417,29 @@ class Service:
             raise Problem(422, "sequence_too_long", f"a sequence has {longest} tokens; the most is {defence.max_len}")
         return X, n, ph
 
-    @staticmethod
-    def _answer(y: np.ndarray, mt: str, **fields: Any) -> tuple[bytes, str, dict[str, str]]:
+    def _answer(self, y: np.ndarray, X, mt: str, **fields: Any) -> tuple[bytes, str, dict[str, str]]:
+        """The response body for the packed answers ``y`` to batch ``X`` (see :mod:`.framing`): value kinds
+        ``(n,)``; ``last`` ``(n, d_out)``; ``all`` ``(n, N, d_out)`` when every sequence has N tokens, else
+        (``.npy`` only) the packed ``(sum N_i, d_out)`` rows with the lengths in ``X-Headthief-Lengths``."""
+        y = np.asarray(y, dtype="<f8")
+        lens = lengths_of(X) if self.kind is Output.ALL else None
+        uniform = lens is not None and (len(lens) == 0 or bool(np.all(lens == lens[0])))
         if mt == NPY:
             headers = {f"X-Headthief-{k.capitalize()}": ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
                        for k, v in fields.items()}
-            return encode_npy(np.asarray(y, dtype="<f8")), NPY, headers
-        return encode_json({"values": np.asarray(y, dtype=np.float64).tolist(), **fields}), JSON, {}
+            if lens is not None:
+                if uniform:
+                    y = y.reshape(len(lens), int(lens[0]) if len(lens) else 0, self.d_out)
+                else:
+                    headers["X-Headthief-Lengths"] = ",".join(map(str, lens.tolist()))
+            return encode_npy(y), NPY, headers
+        if lens is None:
+            values = y.tolist()
+        elif uniform:
+            values = y.reshape(len(lens), int(lens[0]) if len(lens) else 0, self.d_out).tolist()
+        else:
+            values = [part.tolist() for part in np.split(y, np.cumsum(lens)[:-1], axis=0)]
+        return encode_json({"values": values, **fields}), JSON, {}
 
 
 def _openapi_extras(d: int, defence: Defence, require_idempotency: bool) -> dict[str, Any]:
@@ -396,6 +477,10 @@ def create_app(service: Service):
         d: int
         bias: bool
         output: str
+        answer_kind: str
+        d_out: int | None
+        max_answer_numbers: int
+        max_json_answer_numbers: int
         max_batch: int
         max_len: int
         max_body_bytes: int
@@ -406,8 +491,15 @@ def create_app(service: Service):
         idempotency: str
         version: str
 
+    if service.kind is Output.ALL:
+        Values, per = list[list[list[float]]], f"one (N_i, {service.d_out}) list of vectors per sequence"
+    elif service.kind is Output.LAST:
+        Values, per = list[list[float]], f"one {service.d_out}-vector per sequence"
+    else:
+        Values, per = list[float], "one value per sequence"
+
     class QueryAnswer(BaseModel):
-        values: list[float]
+        values: Values
         charged: int
         used: int
         budget: int | None
@@ -487,13 +579,14 @@ def create_app(service: Service):
         except Problem as p:
             return problem_response(p)
 
-    @app.post("/v1/query", response_model=QueryAnswer, summary="answer a batch of sequences, one value each",
+    @app.post("/v1/query", response_model=QueryAnswer, summary=f"answer a batch of sequences: {per}",
               responses={200: {"content": {NPY: {"schema": {"type": "string", "format": "binary"}}},
-                               "description": "one value per sequence"},
+                               "description": per},
                          400: err("an Idempotency-Key of more than 255 characters (or none, where the server "
                                   "requires one)"),
                          401: err("no, unknown or revoked API key"),
-                         403: err("budget spent, or the key was flagged by the detector"),
+                         403: err("budget spent, the key was flagged by the detector, or its defences do not fit "
+                                  "the target's answers (sign-only on vectors)"),
                          409: err("a request with this Idempotency-Key is still in flight (`in_flight`, with "
                                   "Retry-After), or the key was charged before for another payload "
                                   "(`idempotency_key_reused`)", retry_after),
@@ -504,7 +597,8 @@ def create_app(service: Service):
                          415: err("unsupported content type"),
                          422: err("a malformed batch: it does not decode, a wrong dimension, an empty sequence, "
                                   "a non-finite or too large entry, a token beyond the input-norm bound, more "
-                                  "sequences than max_batch or tokens than max_len"),
+                                  "sequences than max_batch or tokens than max_len, or an answer of more numbers "
+                                  "than max_answer_numbers (.npy) or max_json_answer_numbers (JSON)"),
                          429: err("rate limit exceeded", retry_after),
                          500: err("an unexpected error of the server (logged)")},
               openapi_extra=_openapi_extras(service.target.d, service.defence, service.require_idempotency))

@@ -7,7 +7,12 @@ threat-model wrappers of :mod:`headthief.oracles`:
 - ``noise=TAU[,mode=adversarial|uniform]`` or ``mode=round:K``: answers within ``+-TAU`` of the truth
   (:class:`~headthief.oracles.Tolerance`, keyed with the server's secret, so a client cannot predict
   the noise, and deterministic per query, so asking again does not average it away);
-- ``sign=1``: only whether the answer is positive (:class:`~headthief.oracles.SignOnly`);
+  a vector target's answers get it per coordinate: every number of every answered vector is within
+  ``+-TAU`` (or rounded to K decimals), its noise keyed by the query, so ``noisy:TAU`` and
+  ``rounded:K`` mean the same for vectors as for values;
+- ``sign=1``: only whether the answer is positive (:class:`~headthief.oracles.SignOnly`); one bit of
+  one number per sequence, so a vector target refuses it (``serve`` exits 2 at start; a key with it
+  is answered 403 ``defence_unsupported``);
 - ``norm=R``: tokens with ``||x|| > R`` are refused (422);
 - ``max_batch=N``, ``max_len=N``: the most sequences per request and tokens per sequence (422 beyond);
   the server lowers them where a full batch would not fit its byte limit

@@ -14,6 +14,19 @@
   zeros: 12 KB instead of 1.2 MB a request at d = 384. The answer is an ``.npy`` as above. Its
   dense size obeys the same limit as an ``.npy`` body (``max_body_bytes / 8`` entries).
 
+Answers of a vector target (``/v1/info``: ``answer_kind`` ``last`` or ``all``, and ``d_out``), in
+either answer framing, keep the shape of the request:
+
+- ``last`` (a ``d_out``-vector per sequence): JSON ``"values"`` is a list of n lists of d_out numbers;
+  ``.npy``: an (n, d_out) array.
+- ``all`` (a ``d_out``-vector per token): JSON ``"values"`` is a list of n lists (one per sequence) of
+  N_i lists of d_out numbers; ``.npy``: an (n, N, d_out) array when every sequence has N tokens (always
+  so for ``.npy`` and sparse requests), else (a JSON batch of sequences of different lengths answered
+  as ``.npy``) the packed (sum N_i, d_out) array, the vectors of sequence 0 first, with the lengths in
+  the ``X-Headthief-Lengths`` header (``3,5,2``).
+
+Every framing carries float64 bits exactly (JSON through Python's shortest round-trip decimals).
+
 Both decoders name what is wrong with a malformed body (:class:`FramingError`, answered 422).
 """
 

@@ -10,6 +10,8 @@ still starting.
 Resolving the target asks the server once, before any query: ``/v1/info`` and, with a key,
 ``/v1/usage``, so ``target.info["server_output"]`` is what this key's answers are (``value``,
 ``noisy:TAU``, ``rounded:K`` or ``sign``): a method that cannot use them can be refused up front.
+A server that answers vectors (``/v1/info``: ``answer_kind`` ``last`` or ``all``, ``d_out``) gives a
+target with ``output`` and ``d_out`` set, as the served target has them.
 """
 
 from __future__ import annotations
@@ -50,14 +52,16 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
         raise SpecError(f"an http target needs httpx: pip install 'headthief[serve]' ({e})") from None
     except OracleError as e:
         raise SpecError(str(e)) from None
-    info = dict(probe.info, output=probe.output)      # the key's own answers (its defences included)
+    info = dict(probe.info, output=probe.server_output)      # the key's own answers (its defences included)
+    kind, d_out = probe.output, probe.d_out
     probe.close()
     d = int(info["d"])
     if ctx.get("d") is not None and int(ctx["d"]) != d:
         raise SpecError(f"--d {ctx['d']} but the server at {url} serves d = {d}")
     bias = bool(ctx.get("bias")) or bool(info.get("bias"))
-    return Target(spec=spec, d=d, bias=bias, truth=None,
+    output = kind.value if kind.vector else "value"
+    return Target(spec=spec, d=d, bias=bias, truth=None, output=output, d_out=d_out,
                   make_oracle=lambda **kw: HTTPOracle(url, api_key=api_key, framing=framing, connect_wait=wait, **kw),
                   info={"server_" + k: v for k, v in info.items()
-                        if k in ("output", "max_batch", "max_len", "idempotency", "version")}
+                        if k in ("output", "max_batch", "max_len", "idempotency", "version", "answer_kind", "d_out")}
                   | {"framing": framing})

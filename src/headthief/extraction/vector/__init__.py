@@ -1,0 +1,189 @@
+"""Vector answers (ours): a multi-head attention layer with output projection from hidden-state answers.
+
+``extract_vector(oracle)`` recovers every head's ``W_h`` (as ``K_h^T Q_h / sqrt(d_h)``), score bias ``c_h``,
+``O_h = Wo[:, h] V_h`` and the output bias ``b = bo + Wo bv`` (:mod:`headthief.models.mha` explains why
+these and nothing finer are identifiable), up to a permutation of the heads, in three stages:
+
+A. d + 1 one-token queries: ``y = M x + b`` with ``M = sum_h O_h`` (:mod:`.affine`);
+B. saturated two-token queries: projectors ``O_S M^+`` separate the heads' output spaces, so the split
+   into heads is found, and with it the head count (:mod:`.spaces`);
+C. soft queries with shared anchor tokens: every head's attention weights read from its part of the
+   answer, then its key and query spaces and the core of ``W_h`` and ``c_h`` by least squares (:mod:`.scores`).
+
+Proposition 7.1 (heads are not identifiable from one scalar readout) is a property of the scalar answer:
+with vectors the split is identifiable exactly when the heads' output spaces ``col(O_h)`` are linearly
+independent (``sum_h rank O_h = rank M``) and no two heads attend alike on every two-token query (equal
+``(W_h, c_h)``, when their ``O_h`` can only be learnt as a sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...models.mha import CanonicalLayer
+from ...oracles.base import Oracle
+from ..check import counters, cost
+from ..precision import ModelCheck
+from ..result import Fidelity, freeze_fields
+from .affine import affine_part
+from .scores import read_scores
+from .spaces import head_spaces
+
+MODEL = "a multi-head attention layer with output projection"
+
+
+@dataclass(frozen=True, eq=False)
+class VectorExtraction:
+    """What ``--method vector`` recovered (a :class:`~headthief.models.mha.CanonicalLayer`) and what it cost."""
+
+    layer: CanonicalLayer
+    queries: int
+    seconds: float
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    check: Any = None
+    method: str = "vector"
+
+    def __post_init__(self):
+        freeze_fields(self, ())
+
+    @property
+    def d(self) -> int:
+        return self.layer.d
+
+    @property
+    def heads(self) -> int:
+        return self.layer.heads
+
+    @property
+    def rank(self) -> int:
+        return int(self.layer.A.shape[2])
+
+    def predict(self, batch):
+        return self.layer.evaluate(batch)
+
+    def verify(self, oracle: Oracle, n: int = 256, *, rng=0, max_len: int = 16) -> Fidelity:
+        return vector_fidelity(self.layer, oracle, n, rng=rng, max_len=max_len,
+                               token_norm=self.diagnostics.get("token_norm"))
+
+    def errors(self, truth: CanonicalLayer) -> dict[str, Any]:
+        return self.layer.errors(truth)
+
+    def save(self, path) -> None:
+        """``.safetensors``: the layer in transformers' BertSelfAttention + BertSelfOutput.dense naming
+        (:mod:`headthief.models.bert_export`); anything else: the canonical arrays with ``numpy.savez``."""
+        p = str(path)
+        if p.endswith(".safetensors"):
+            from ...models.bert_export import save_bert_attention
+            save_bert_attention(self.layer, p)
+            return
+        L = self.layer
+        np.savez(p, A=L.A, B=L.B, C=L.C, U=L.U, Vt=L.Vt, b=L.b, causal=L.causal,
+                 W=np.stack([L.W(h) for h in range(L.heads)]), O=np.stack([L.O(h) for h in range(L.heads)]))
+
+
+def _fresh(d: int, n: int, rng: np.random.Generator, max_len: int, norm: float):
+    lens = rng.integers(1, max_len + 1, size=n)
+    return [rng.standard_normal((int(N), d)) * (norm / np.sqrt(d)) for N in lens]
+
+
+def vector_fidelity(layer: CanonicalLayer, oracle: Oracle, n: int, *, rng=0, max_len: int = 16,
+                    token_norm: float | None = None) -> Fidelity:
+    """Largest error of any answered number on ``n`` fresh sequences over the rms of the answers."""
+    rng = np.random.default_rng(rng)
+    R = oracle.input_norm
+    norm = token_norm or (0.5 * R if R is not None else float(np.sqrt(oracle.d)))
+    if R is not None:
+        norm = min(norm, R)
+    batch = _fresh(oracle.d, n, rng, max_len, norm)
+    before = oracle.queries
+    y = oracle.query_packed(batch)
+    from ...oracles.answers import pack
+    yh = pack(oracle.output, layer.evaluate(batch), batch, layer.d_out)
+    rms = float(np.sqrt(np.mean(y ** 2)))
+    err = float(np.max(np.abs(yh - y)))
+    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms,
+                    max_rel_err=err / max(rms, 1e-300))
+
+
+def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.Generator | int = 0,
+                   check: bool = True, verify: int = 256, check_rng: int = 10_000, oversample: float = 2.0,
+                   max_maps: int = 40, progress=None) -> VectorExtraction:
+    """Recover a multi-head attention layer with output projection from vector answers (see the module).
+
+    Args:
+        oracle: answers with vectors (``oracle.output`` ``last`` or ``all``); refused before the first
+            query otherwise.
+        heads: the head count, or None to find it (the parts the output space splits into).
+        check / verify / check_rng: the model check: fresh sequences compared number by number; a figure
+            above ``max(1000 x the answers' measured relative noise, 100 x the method's own score-fit
+            residual)`` raises :class:`ModelMismatch` (exit 5).
+    """
+    if not oracle.output.vector:
+        raise SpecError(f"--method vector needs vector answers (a hidden-state API: output=last or all); this "
+                        f"target answers {oracle.output.describe(oracle.d_out)}: use a scalar method "
+                        "(multihead, lowrank, exact)")
+    rng = np.random.default_rng(rng)
+    t0 = time.perf_counter()
+    before = counters(oracle)
+    aff = affine_part(oracle, rng)
+    if progress is not None:
+        progress(aff.queries)
+    try:
+        sp = head_spaces(oracle, aff, rng, heads=heads, max_maps=max_maps, progress=progress)
+    except ModelMismatch:
+        raise
+    Ball = np.hstack(sp.bases)
+    Binv = np.linalg.pinv(Ball)
+    offs = np.cumsum([0] + [B.shape[1] for B in sp.bases])
+    Ocoef = [Binv[offs[h]:offs[h + 1]] @ aff.M for h in range(len(sp.bases))]
+    sc = read_scores(oracle, aff.b, sp.bases, Ocoef, rng, causal=bool(aff.causal), oversample=oversample,
+                     progress=progress)
+    layer = CanonicalLayer(A=np.stack(sc.A), B=np.stack(sc.B), C=sc.C, U=np.stack(sp.bases),
+                           Vt=np.stack([O.T for O in Ocoef]), b=aff.b, causal=bool(aff.causal),
+                           output=oracle.output)
+    spent = oracle.queries - before["queries"]
+    diag = {"heads_found": len(sp.bases), "head_dim": int(sp.bases[0].shape[1]), "rank_M": sp.rank,
+            "causal": aff.causal, "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
+            "stage_B_queries": sp.queries, "stage_C_queries": sc.queries, "saturated_maps": sp.maps,
+            "maps_rejected": sp.rejected, "map_idempotency": sp.idempotency, "score_fit_rms": sc.fit_rms,
+            "score_reads": sc.reads, "token_norm": sc.token_norm, "numbers_received": int(oracle.numbers),
+            **cost(oracle, before)}
+    res = VectorExtraction(layer=layer, queries=spent, seconds=time.perf_counter() - t0, diagnostics=diag)
+    if not check:
+        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped (--no-check)"))
+    return dataclasses.replace(res, check=_verdict(res, oracle, aff.rel_noise, sc.fit_rms, verify, check_rng))
+
+
+def _verdict(res: VectorExtraction, oracle: Oracle, rel_noise: float, fit_rms: float, n: int, seed) -> ModelCheck:
+    kind = oracle.output.describe(oracle.d_out)
+    if n <= 0:
+        return ModelCheck("unchecked", MODEL, kind, detail="no fresh sequences asked (verify n = 0)")
+    try:
+        f = res.verify(oracle, n, rng=seed)
+    except BudgetExceeded as e:
+        return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
+    threshold = max(1000.0 * rel_noise, 100.0 * fit_rms, 1e-12)
+    ok = f.max_rel_err <= threshold and fit_rms <= 1e-2
+    detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences (every answered number); threshold "
+              f"{threshold:.3g} from the answers' measured relative noise {rel_noise:.3g} and the score fit's "
+              f"residual {fit_rms:.3g}")
+    mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
+    if not ok:
+        err = ModelMismatch(
+            f"the target does not behave like {MODEL}: {detail}" + (
+                "; the attention weights read do not fit one bilinear score per head" if fit_rms > 1e-2 else "")
+            + " (a deeper model, a nonlinearity after the attention, or a layer this method cannot resolve)",
+            check="fidelity", figure=f.max_rel_err, threshold=threshold)
+        err.model_check = mc
+        err.result = dataclasses.replace(res, check=mc)
+        raise err
+    return mc
+
+
+__all__ = ["extract_vector", "VectorExtraction", "vector_fidelity"]

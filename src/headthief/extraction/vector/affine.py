@@ -1,0 +1,69 @@
+"""Stage A of the vector method: one-token queries answer ``y = M x + b`` exactly.
+
+With one token the softmax puts all its weight on it, so every head returns that token and the layer's
+answer is affine: ``M = sum_h O_h``, ``b = bo + Wo bv``. d + 1 queries fix (M, b); a few extra random
+one-token queries measure how precisely the black box answers (the rms of their residual), which is
+what every later tolerance is derived from. With every position's answer, one two-token query also
+tells whether the layer is causal (position 1 of ``[x1, x2]`` then equals the one-token answer of x1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...oracles.answers import Output
+from ...oracles.base import Oracle
+
+EXTRA = 8          # one-token queries beyond d + 1 that measure the answers' precision
+
+
+@dataclass(frozen=True)
+class Affine:
+    M: np.ndarray          # (d_out, d)
+    b: np.ndarray          # (d_out,)
+    sigma: float           # rms residual of the extra one-token answers (the answers' own noise)
+    scale: float           # rms of those answers (sigma / scale = relative precision)
+    causal: bool | None    # None: not observable (answers at the last position only)
+    queries: int
+
+    @property
+    def rel_noise(self) -> float:
+        return self.sigma / max(self.scale, 1e-300)
+
+
+def token_scale(d: int, input_norm: float | None) -> float:
+    """The norm of probe tokens: under an input-norm bound R, 0.9 R; else sqrt(d) (unit-variance entries)."""
+    return 0.9 * input_norm if input_norm is not None else float(np.sqrt(d))
+
+
+def affine_part(oracle: Oracle, rng: np.random.Generator) -> Affine:
+    d = oracle.d
+    s = token_scale(d, oracle.input_norm)
+    Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    extra = rng.standard_normal((EXTRA, d))
+    extra *= s / np.linalg.norm(extra, axis=1, keepdims=True)
+    tokens = np.vstack([np.zeros((1, d)), s * Qb.T, extra])
+    batch = tokens[:, None, :]
+    pair = None
+    if oracle.output is Output.ALL:
+        x1, x2 = extra[0], extra[1]
+        pair = np.stack([x1, x2])[None]
+    Y = np.asarray(oracle.query_packed(batch))
+    b = Y[0]
+    M = (Y[1:d + 1] - b).T @ Qb.T / s                  # answers along the orthonormal basis, rotated back
+    pred = b + extra @ M.T
+    res = Y[d + 1:] - pred
+    sigma = float(np.sqrt(np.mean(res ** 2)))
+    scale = float(np.sqrt(np.mean(Y[d + 1:] ** 2)))
+    causal = None
+    q = len(tokens)
+    if pair is not None:
+        y2 = np.asarray(oracle.query_packed(pair))      # rows: position 1, position 2
+        q += 1
+        one = Y[d + 1]                                   # [x1] alone
+        both = y2[1] - b - M @ x2                        # nonzero unless every head ignores x1 at position 2
+        tol = 50 * max(sigma, 1e-300) + 1e-12 * scale
+        causal = bool(np.max(np.abs(y2[0] - one)) <= tol and np.linalg.norm(both) > tol)
+    return Affine(M=M, b=b, sigma=sigma, scale=scale, causal=causal, queries=q)

@@ -1,0 +1,210 @@
+"""Stage C of the vector method: every head's scores ``x_i^T W_h x_t + c_h^T x_i`` read from soft queries.
+
+Once the heads' output spaces are known, the answer at position t splits into the heads' parts
+``O_h z_{h,t}``, ``z_{h,t} = sum_i a_{h,t,i} x_i``; with n <= d_h + 1 tokens the coordinates of
+``z_{h,t}`` fix the attention weights ``a_{h,t}``, and with them n - 1 score differences
+``(x_i - x_j)^T (W_h x_t + c_h)`` per head, per position, per query.
+
+The queries share *anchor* tokens: a query is ``[k_1..k_m, f_1..f_{n-m}]`` (anchors of one group, then
+fresh tokens). Over the queries of a group the fresh tokens vary, so at an anchor position the score
+gradient ``g_h(k) = W_h k + c_h`` (a vector of the key space ``row(K_h)``) is read along many fresh
+directions and solved for; at fresh positions the differences between anchor scores read
+``W_h^T (k_i - k_1)`` (vectors of the query space ``row(Q_h)``). A few groups give d_h + a margin
+vectors of each; then ``W_h = A_h C_h B_h^T`` and ``c_h = A_h gamma_h`` with A_h, B_h bases of those
+spaces, and the small core (C_h, gamma_h) is fitted by least squares to every score difference read.
+With answers at the last position only, the two kinds of reads come from two kinds of queries (anchor
+last, or fresh last). Causal layers: a position reads only the tokens before it, so anchors go last for
+the key space and first for the query space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import NotIdentifiable
+from ...oracles.answers import Output
+from ...oracles.base import Oracle
+
+FLOOR = 1e-4        # attention weights below FLOOR * max are not read (their log is noise)
+
+
+@dataclass(frozen=True)
+class Scores:
+    A: tuple       # per head (d, r) key-space basis times core: W_h = A_h @ B_h.T
+    B: tuple
+    C: np.ndarray  # (H, d)
+    queries: int
+    reads: int
+    fit_rms: float          # rms residual of the final score fit (in score units)
+    token_norm: float
+
+
+def _read_weights(F: np.ndarray, kappa: np.ndarray) -> np.ndarray:
+    """Attention weights a (sum 1) with F a ~= kappa, by least squares with the sum as a hard constraint."""
+    n = F.shape[1]
+    # a = e_n + N w, N = [I_{n-1}; -1^T]
+    N = np.vstack([np.eye(n - 1), -np.ones((1, n - 1))])
+    w = np.linalg.lstsq(F @ N, kappa - F[:, -1], rcond=None)[0]
+    return np.concatenate([w, [1.0 - w.sum()]])
+
+
+def read_scores(oracle: Oracle, b: np.ndarray, bases, O_coef, rng: np.random.Generator, *, causal: bool,
+                oversample: float = 2.0, progress=None) -> Scores:
+    """Stage C (see the module docstring). ``bases[h]``: (d_out, r) orthonormal basis of S_h; ``O_coef[h]``:
+    (r, d) with O_h = bases[h] @ O_coef[h]."""
+    d = oracle.d
+    H = len(bases)
+    r = min(B.shape[1] for B in bases)
+    Ball = np.hstack(bases)
+    Binv = np.linalg.pinv(Ball)
+    offs = np.cumsum([0] + [B.shape[1] for B in bases])
+    Qinv = [Binv[offs[h]:offs[h + 1]] for h in range(H)]
+    n = int(min(r // 2 + 1, 16, d + 1))          # half the equations spare: the weights are read well-conditioned
+    n = max(n, 3)
+    m = max(2, n // 2)
+    nf = n - m
+    want = r + max(4, r // 2)
+    groups = int(np.ceil(want / (m - 1)))          # m - 1 query-space vectors per group (m key-space ones)
+    per = int(np.ceil(oversample * (d + 1) / nf))
+    R = oracle.input_norm
+    # token norm for soft reads: calibrated so that score spreads are O(1)
+    norm = 0.5 * R if R is not None else float(np.sqrt(d))
+    norm, queries = _calibrate(oracle, b, Qinv, O_coef, rng, norm, n)
+    last = oracle.output is Output.LAST
+    key_rows = [[] for _ in range(H)]     # per head: key-space vectors g_h(k) = W_h k + c_h
+    qry_rows = [[] for _ in range(H)]     # per head: query-space vectors W_h^T (k_i - k_0)
+    eqs = [([], [], [], []) for _ in range(H)]   # per head: e, x_t, D, weight of every score difference
+    reads = 0
+
+    def tok(k):
+        return rng.standard_normal((k, d)) * (norm / np.sqrt(d))
+
+    for g in range(groups):
+        K = tok(m)
+        if last:
+            layouts = [("key", j) for j in range(m)] + [("qry", None)]
+        elif causal:
+            layouts = [("key-causal", None), ("qry", None)]
+        else:
+            layouts = [("qry", None)]                 # every position: anchors and fresh tokens both read
+        at_anchor = [[[] for _ in range(m)] for _ in range(H)]    # (directions, D) per head per anchor
+        anchor_diffs = [[] for _ in range(H)]                      # (x_t, D(k_i) - D(k_0) for i >= 1)
+        for kind, j in layouts:
+            batch = []
+            count = per
+            if last:       # one read per query: d directions per anchor, d + 1 fresh query tokens per group
+                count = int(np.ceil(oversample * d / (n - 1))) if kind == "key" else int(np.ceil(oversample * (d + 1)))
+            for _ in range(count):
+                Fr = tok(nf)
+                if kind == "key":
+                    X = np.vstack([np.delete(K, j, 0), Fr, K[j:j + 1]])
+                    slots = list(range(j)) + list(range(j + 1, m))
+                    idx = {**{p: (slots[p] if p < m - 1 else None) for p in range(m - 1)}, n - 1: j}
+                elif kind == "key-causal":
+                    X = np.vstack([Fr, K])
+                    idx = {nf + i: i for i in range(m)}
+                else:
+                    X = np.vstack([K, Fr])
+                    idx = {i: i for i in range(m)}
+                batch.append((X, idx))
+            Y = oracle.query(np.stack([X for X, _ in batch]))
+            queries += len(batch)
+            if progress is not None:
+                progress(len(batch))
+            for (X, idx), Yq in zip(batch, Y):
+                positions = [n - 1] if last else range(n)
+                for t in positions:
+                    vis = np.arange(t + 1) if causal else np.arange(n)
+                    if len(vis) < 2:
+                        continue
+                    y_t = Yq if last else Yq[t]
+                    reads += 1
+                    for h in range(H):
+                        a = _read_weights(O_coef[h] @ X[vis].T, Qinv[h] @ (y_t - b))
+                        ref = int(np.argmax(a))
+                        ok = a > FLOOR * a[ref]
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            L = np.where(ok, np.log(np.where(ok, a, 1.0)), np.nan) - np.log(a[ref])
+                        sel = np.flatnonzero(ok & (np.arange(len(vis)) != ref))
+                        E = X[vis[sel]] - X[vis[ref]]
+                        ee, xx, DD, ww = eqs[h]
+                        ee.append(E)
+                        xx.append(np.repeat(X[t][None], len(sel), 0))
+                        DD.append(L[sel])
+                        ww.append(a[sel] * a[ref] / (a[sel] + a[ref]))     # 1 / std of a log ratio
+                        if idx.get(t) is not None:                  # an anchor's position: its g_h read
+                            at_anchor[h][idx[t]].append((E, L[sel], ww[-1]))
+                        # anchor score differences at this position (anchors visible, both read)
+                        pos_of = {v: i for i, v in enumerate(vis)}
+                        anc = [p for p, a_i in idx.items() if a_i is not None and p in pos_of]
+                        anc_by = {idx[p]: pos_of[p] for p in anc}
+                        if 0 in anc_by and all(i in anc_by for i in range(1, m)):
+                            vals = np.array([L[anc_by[i]] - L[anc_by[0]] for i in range(1, m)])
+                            if np.all(np.isfinite(vals)):
+                                anchor_diffs[h].append((X[t], vals, float(min(a[anc_by[i]] for i in range(m)))))
+        for h in range(H):
+            for i in range(m):
+                lst = at_anchor[h][i]
+                if not lst:
+                    continue
+                E = np.vstack([e for e, _, _ in lst])
+                D = np.concatenate([x for _, x, _ in lst])
+                w = np.concatenate([x for _, _, x in lst])
+                if E.shape[0] >= d and np.linalg.matrix_rank(E) == d:
+                    key_rows[h].append(np.linalg.lstsq(E * w[:, None], D * w, rcond=None)[0])
+            if len(anchor_diffs[h]) >= d + 1:
+                Xt = np.array([np.append(x, 1.0) for x, _, _ in anchor_diffs[h]])
+                if np.linalg.matrix_rank(Xt) == d + 1:
+                    V = np.array([v for _, v, _ in anchor_diffs[h]])
+                    w = np.array([x for _, _, x in anchor_diffs[h]])
+                    sol = np.linalg.lstsq(Xt * w[:, None], V * w[:, None], rcond=None)[0]     # (d + 1, m - 1)
+                    qry_rows[h] += list(sol[:d].T)
+    A, B, C, rms = [], [], [], []
+    for h in range(H):
+        Ka = np.array(key_rows[h]).T if key_rows[h] else np.zeros((d, 0))
+        Qa = np.array(qry_rows[h]).T if qry_rows[h] else np.zeros((d, 0))
+        if Ka.shape[1] < r or Qa.shape[1] < r:
+            raise NotIdentifiable(f"head {h}: only {Ka.shape[1]} key-space and {Qa.shape[1]} query-space vectors "
+                                  f"were read (need {r} each)")
+        Ak = np.linalg.svd(Ka, full_matrices=False)[0][:, :r]
+        Bq = np.linalg.svd(Qa, full_matrices=False)[0][:, :r]
+        ee, xx, DD, ww = (np.concatenate(z) for z in eqs[h])
+        if len(DD) > 20000:
+            pick = rng.choice(len(DD), 20000, replace=False)
+            ee, xx, DD, ww = ee[pick], xx[pick], DD[pick], ww[pick]
+        ea, xb = ee @ Ak, xx @ Bq
+        Phi = np.hstack([(ea[:, :, None] * xb[:, None, :]).reshape(len(DD), -1), ea])
+        sol = np.linalg.lstsq(Phi * ww[:, None], DD * ww, rcond=None)[0]
+        core = sol[:r * r].reshape(r, r)
+        rms.append(float(np.sqrt(np.mean((Phi @ sol - DD) ** 2))))
+        A.append(Ak @ core)
+        B.append(Bq)
+        C.append(Ak @ sol[r * r:])
+    return Scores(A=tuple(A), B=tuple(B), C=np.array(C), queries=queries, reads=reads, fit_rms=max(rms),
+                  token_norm=norm)
+
+
+def _calibrate(oracle, b, Qinv, O_coef, rng, norm, n) -> tuple[float, int]:
+    """Scale the soft tokens so that the widest score spread of one probe query is about 4."""
+    d = oracle.d
+    R = oracle.input_norm
+    q = 0
+    for _ in range(3):
+        q += 1
+        X = rng.standard_normal((n, d)) * (norm / np.sqrt(d))
+        y = oracle.query([X])
+        y_t = y[0] if oracle.output is Output.LAST else y[0][-1]
+        spread = 0.0
+        for h in range(len(Qinv)):
+            a = _read_weights(O_coef[h] @ X.T, Qinv[h] @ (y_t - b))
+            a = np.clip(a, 1e-12, None)
+            spread = max(spread, float(np.log(a.max() / a.min())))
+        if 1.0 <= spread <= 8.0:
+            break
+        factor = np.sqrt(4.0 / max(spread, 1e-3))
+        norm *= float(np.clip(factor, 0.25, 4.0))
+        if R is not None:
+            norm = min(norm, R)
+    return norm, q
