@@ -27,6 +27,7 @@ from .affine import Affine
 
 CANDIDATES = 8       # two-token configurations screened per map (3 queries each)
 ETA = 0.02           # perturbation of u, relative to the token norm
+SPLIT_TOL = 0.1      # a part is split only where every eigenvalue of the map on it is within this of 0 or 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Spaces:
 
 def _rank(M: np.ndarray, rel_noise: float) -> tuple[np.ndarray, int, np.ndarray]:
     U, s, Vt = np.linalg.svd(M, full_matrices=False)
-    tol = s[0] * max(1e4 * rel_noise, 1e-10)
+    tol = s[0] * max(30 * rel_noise * np.sqrt(M.shape[0]), 1e-10)     # 30 x the noise one answer carries
     r = int(np.sum(s > tol))
     return U[:, :r], r, s
 
@@ -54,8 +55,12 @@ def _split(parts: list[np.ndarray], P: np.ndarray) -> tuple[list[np.ndarray], bo
     for B in parts:
         m = B.shape[1]
         Pb = np.linalg.lstsq(B, P @ B, rcond=None)[0]                       # P restricted to the part
-        k = int(round(float(np.trace(Pb))))
-        if k <= 0 or k >= m:
+        ev = np.linalg.eigvals(Pb).real
+        k = int(np.sum(ev > 0.5))
+        if k <= 0 or k >= m or np.max(np.minimum(np.abs(ev), np.abs(ev - 1))) > SPLIT_TOL:
+            out.append(B)                     # no split, or not clearly a projector on this part: keep it whole
+            continue
+        if False:
             out.append(B)
             continue
         U1 = np.linalg.svd(Pb)[0][:, :k]
