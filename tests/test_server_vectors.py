@@ -217,32 +217,24 @@ def test_a_journal_resumes_an_interrupted_run(all_server, tmp_path):
     C = rng.normal(size=(2, 3, D))
     path = tmp_path / "run.journal"
     fp = {"target": s.url, "method": "test"}
-    with HTTPOracle(s.url, api_key=k["journal"], transcript=Journal(path, fp)) as o:
+    journal = Journal(path, fp)
+    with HTTPOracle(s.url, api_key=k["journal"], transcript=journal) as o:
         ya, yb = o.query(A), o.query(B)
         run_id = o.run_id
+    journal.close()
     # the run died with C in flight: the server answered and charged it, the journal never saw it
     with HTTPOracle(s.url, api_key=k["journal"], run_id=run_id) as o:
         o.query(C)
     assert used(s.db, "journal") == 3 + 2 + 2
-    with HTTPOracle(s.url, api_key=k["journal"], transcript=Journal(path, fp)) as o:    # resumed
+    journal = Journal(path, fp)                                              # resumed
+    assert len(journal) == 2
+    with HTTPOracle(s.url, api_key=k["journal"], transcript=journal) as o:
         assert o.run_id == run_id
-        assert same(o.query(A), ya) and same(o.query(B), yb) and o.replayed == 5 and o.requests == 0
+        assert same(o.query(A), ya) and same(o.query(B), yb)
+        assert o.replayed == 5 and o.requests == 0                          # from the journal: nothing sent
         yc = o.query(C)
         assert o.requests == 1 and o.server_replays == 1                    # answered from the ledger, free
+    assert len(journal) == 3
+    journal.close()
     assert used(s.db, "journal") == 7
     assert same(ya, local.query(A)) and same(yb, local.query(B)) and same(yc, local.query(C))
-    with Journal(path) as j if hasattr(Journal, "__enter__") else _closing(Journal(path)) as j:
-        assert len(j) == 3
-
-
-class _closing:
-    def __init__(self, j):
-        self.j = j
-
-    def __enter__(self):
-        return self.j
-
-    def __exit__(self, *exc):
-        close = getattr(self.j, "close", None)
-        if close:
-            close()
