@@ -97,7 +97,7 @@ def test_answers_are_bit_identical_to_the_in_process_target(all_server, last_ser
     with HTTPOracle(s.url, api_key=k["framings"], framing=framing) as o:
         assert same(o.query(X), local.query(X))
         assert same(o.query(ragged), local.query(ragged))                  # all: a list of (N_i, d_out) arrays
-        rows = 5 * 4 + 11 if kind == "all" else 10
+        rows = 5 * 4 + 14 if kind == "all" else 10
         assert o.numbers == rows * D and o.stats()["numbers_received"] == rows * D
         assert o.stats()["received_bytes"] >= rows * D * 8 and o.server_replays == 0
     assert used(s.db, "framings") - before == 10                             # one query per sequence
@@ -186,6 +186,7 @@ def test_defences_apply_per_coordinate_and_sign_only_is_refused(all_server, tmp_
         HTTPOracle(s.url, api_key=k["bits"])
     r = headthief("serve", "--target", ALL, "--db", tmp_path / "x.sqlite", "--port", "0", "--sign-only", check=False)
     assert r.returncode == 2 and "sign-only" in r.stderr and "vector" in r.stderr, r.stderr
+    assert not (tmp_path / "x.sqlite").exists() and not (tmp_path / "x.sqlite.lock").exists()
 
 
 def test_answers_too_large_for_one_body_are_refused_and_the_client_splits(all_server):
@@ -238,3 +239,32 @@ def test_a_journal_resumes_an_interrupted_run(all_server, tmp_path):
     journal.close()
     assert used(s.db, "journal") == 7
     assert same(ya, local.query(A)) and same(yb, local.query(B)) and same(yc, local.query(C))
+
+
+WIDE = '''import numpy as np
+M = np.random.default_rng(7).standard_normal((4, 64))
+def f(seqs):
+    return [np.tanh(np.asarray(X) @ M) * np.arange(1, len(X) + 1)[:, None] for X in seqs]
+'''
+
+
+def test_a_provider_function_with_wide_answers_is_split_by_its_answers(tmp_path):
+    """d_out = 64 > d = 4: the answers, not the requests, set the limits."""
+    (tmp_path / "wide.py").write_text(WIDE)
+    db = tmp_path / "s.sqlite"
+    k = keys(db, wide={})
+    spec = f"py:{tmp_path / 'wide.py'}:f"
+    with Server(f"{spec} --d 4 --output all --d-out 64", db, "--max-batch", "64", "--max-json-bytes", "100000") as s:
+        info = httpx.get(s.url + "/v1/info").json()
+        assert info["answer_kind"] == "all" and info["d_out"] == 64
+        assert info["max_len"] == 2048            # fitted so that a full batch's answer fits max_body_bytes
+        local = resolve(spec, d=4, output="all", d_out=64).make_oracle()
+        X = np.random.default_rng(8).normal(size=(20, 8, 4))
+        ragged = [np.random.default_rng(9).normal(size=(N, 4)) for N in (3, 1, 4)]
+        with HTTPOracle(s.url, api_key=k["wide"], framing="json") as o:
+            assert same(o.query(X), local.query(X))
+            assert o.requests == 3                 # 8 sequences of 8 x 64 numbers fit one JSON answer, not 9
+            assert same(o.query(ragged), local.query(ragged))
+        with HTTPOracle(s.url, api_key=k["wide"], framing="npy") as o:
+            assert same(o.query(X), local.query(X)) and o.requests == 1
+        assert used(db, "wide") == 20 + 3 + 20

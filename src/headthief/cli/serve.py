@@ -113,7 +113,7 @@ def run(args) -> int:
         import uvicorn
 
         from ..server.accounts import DatabaseLock
-        from ..server.app import Service, create_app
+        from ..server.app import Service, check_defence, create_app
     except ImportError as e:
         print(f"headthief: serve needs fastapi and uvicorn (the serve extra; {INSTALL}): {e}", file=sys.stderr)
         return 2
@@ -141,6 +141,7 @@ def run(args) -> int:
         target = target_from_args(args)
         check_target(target)
         defence = defence_from_args(args)
+        check_defence(target, defence)          # sign-only on a vector target: before the database is touched
         lock = DatabaseLock(args.db)
         service = Service(target, args.db, defence=defence, max_body_bytes=args.max_body_bytes,
                           max_json_bytes=args.max_json_bytes, sync=args.sync,

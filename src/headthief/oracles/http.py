@@ -688,4 +688,7 @@ def _npy_fast(content: bytes) -> np.ndarray | None:
     return np.frombuffer(content, dtype="<f8", count=count, offset=end).reshape(shape).copy()
 
 
-_npy_fast_1d = _npy_fast        # the name before vector answers
+def _npy_fast_1d(content: bytes) -> np.ndarray | None:
+    """:func:`_npy_fast` for a 1-D answer (one value per sequence) only; None for anything else."""
+    y = _npy_fast(content)
+    return y if y is not None and y.ndim == 1 else None

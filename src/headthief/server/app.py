@@ -107,6 +107,19 @@ def fit_limits(max_batch: int, max_len: int, d: int, max_body_bytes: int, *, d_o
     return max(1, min(max_batch, cap // max_len)), max_len
 
 
+def check_defence(target, defence: Defence, whose: str = "the server's") -> None:
+    """Refuse defences that do not fit the target's answer kind (SpecError): sign-only output keeps one
+    bit of one number per sequence, which a vector answer does not have (noise and rounding apply per
+    coordinate)."""
+    kind = Output.parse(getattr(target, "output", None) or "value")
+    if defence.sign and kind.vector:
+        from ..errors import SpecError
+        d_out = int(getattr(target, "d_out", None) or target.d)
+        raise SpecError(f"{whose} defences ask for sign-only answers (one bit per sequence), but the target "
+                        f"{target.spec} answers {kind.describe(d_out)}: sign-only output is refused for vector "
+                        "targets (noise and rounding apply per coordinate)")
+
+
 class Problem(Exception):
     """An HTTP error answer: status, a machine-readable code, a message naming the problem, extras."""
 
@@ -156,9 +169,9 @@ class Service:
         self.max_body_bytes = int(max_body_bytes)
         self.max_json_bytes = int(max_json_bytes)
         self.require_idempotency = bool(require_idempotency)
-        self.accounts = db if isinstance(db, Accounts) else Accounts(db, sync=sync)
         self.defence = self._fit(defence or Defence())
-        self._check_defence(self.defence, "the server's")
+        self._check_defence(self.defence, "the server's")      # before the database is opened (or made)
+        self.accounts = db if isinstance(db, Accounts) else Accounts(db, sync=sync)
         self._oracles: dict[Defence, Any] = {}
         self._prada: dict[int, Prada] = {}
         self._prada_lock = threading.Lock()
@@ -203,13 +216,7 @@ class Service:
         return defence if (b, n) == (defence.max_batch, defence.max_len) else replace(defence, max_batch=b, max_len=n)
 
     def _check_defence(self, defence: Defence, whose: str) -> None:
-        """Refuse defences that do not fit the answer kind: sign-only output keeps one bit of one number per
-        sequence, which a vector answer does not have (noise and rounding apply per coordinate)."""
-        if defence.sign and self.kind.vector:
-            from ..errors import SpecError
-            raise SpecError(f"{whose} defences ask for sign-only answers (one bit per sequence), but the target "
-                            f"{self.target.spec} answers {self.kind.describe(self.d_out)}: sign-only output is "
-                            "refused for vector targets (noise and rounding apply per coordinate)")
+        check_defence(self.target, defence, whose)
 
     def answer_limit(self, mt: str, defence: Defence) -> int:
         """The most numbers one answer may hold in the media type ``mt``: what an ``.npy`` of

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError
+from ..oracles.answers import Output
 
 G_MAX = 2048     # queries kept per client and sequence length
 D_MAX = 5000     # minimum distances kept per client (scipy's Shapiro-Wilk is accurate up to 5000)
@@ -103,11 +104,29 @@ class Defence:
         from ..oracles.sign_only import SignOnly
         from ..oracles.tolerance import Tolerance
         if self.mode is not None or self.noise is not None:
-            oracle = Tolerance(oracle, self.noise if self.mode is None or not self.mode.startswith("round:") else None,
-                               self.mode or "adversarial", key=secret)
+            cls = _unpacked(Tolerance) if oracle.output is Output.ALL else Tolerance
+            oracle = cls(oracle, self.noise if self.mode is None or not self.mode.startswith("round:") else None,
+                         self.mode or "adversarial", key=secret)
         if self.sign:
             oracle = SignOnly(oracle)
         return oracle
+
+
+def _unpacked(cls):
+    """``cls`` (a :class:`~headthief.oracles.base.WrappedOracle`) whose ``_query`` hands its answers back
+    unpacked for an ``all`` oracle. A wrapper's ``_transform`` gives the packed (sum N_i, d_out) rows, but
+    :meth:`Oracle._query` must answer unpacked ((n, N, d_out) or a list of (N_i, d_out) arrays), which
+    ``Oracle._check_vectors`` packs again. A 2-D array is never an unpacked ``all`` answer, so this
+    only unpacks what is packed."""
+
+    class Unpacked(cls):
+        def _query(self, X):
+            from ..oracles.answers import unpack
+            y = super()._query(X)
+            return unpack(self.output, y, X) if isinstance(y, np.ndarray) and y.ndim == 2 else y
+
+    Unpacked.__name__, Unpacked.__qualname__ = cls.__name__, cls.__qualname__
+    return Unpacked
 
 
 _FIELDS = {"noise": float, "mode": str, "sign": bool, "norm": float, "max_batch": int, "max_len": int,

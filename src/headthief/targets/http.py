@@ -59,8 +59,13 @@ def build_http(spec: str, ctx: dict[str, Any]) -> Target:
     if ctx.get("d") is not None and int(ctx["d"]) != d:
         raise SpecError(f"--d {ctx['d']} but the server at {url} serves d = {d}")
     bias = bool(ctx.get("bias")) or bool(info.get("bias"))
-    output = kind.value if kind.vector else "value"
-    return Target(spec=spec, d=d, bias=bias, truth=None, output=output, d_out=d_out,
+    served = kind.value if kind.vector else "value"
+    if ctx.get("output") is not None and str(ctx["output"]) != served:
+        raise SpecError(f"--output {ctx['output']} but the server at {url} answers {kind.describe(d_out)} "
+                        f"(output {served}); leave --output out for an http target")
+    if ctx.get("d_out") is not None and kind.vector and int(ctx["d_out"]) != d_out:
+        raise SpecError(f"--d-out {ctx['d_out']} but the server at {url} answers {d_out}-vectors")
+    return Target(spec=spec, d=d, bias=bias, truth=None, output=served, d_out=d_out,
                   make_oracle=lambda **kw: HTTPOracle(url, api_key=api_key, framing=framing, connect_wait=wait, **kw),
                   info={"server_" + k: v for k, v in info.items()
                         if k in ("output", "max_batch", "max_len", "idempotency", "version", "answer_kind", "d_out")}
