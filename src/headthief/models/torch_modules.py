@@ -92,17 +92,12 @@ class TorchOracle(Oracle):
         torch = import_torch()
         if self.output.vector:
             return self._query_vectors(torch, X)
-        if isinstance(X, np.ndarray):
-            groups = {X.shape[1]: (np.arange(X.shape[0]), X)}
-        else:
-            lengths = np.array([x.shape[0] for x in X])
-            groups = {}
-            for N in np.unique(lengths):
-                idx = np.flatnonzero(lengths == N)
-                groups[int(N)] = (idx, np.stack([X[i] for i in idx]))
-        out = np.empty(sum(len(idx) for idx, _ in groups.values()), dtype=np.float64)
+        from .mha import _groups
+        groups = _groups(X)
+        out = np.empty(sum(len(idx) for idx, _ in groups), dtype=np.float64)
         with torch.no_grad():
-            for N, (idx, A) in groups.items():
+            for idx, A in groups:
+                N = A.shape[1]
                 step = max(1, self.max_tokens // N)
                 for s in range(0, len(idx), step):
                     t = torch.from_numpy(np.ascontiguousarray(A[s:s + step], dtype=np.float32))

@@ -134,10 +134,7 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     aff = affine_part(oracle, rng)
     if progress is not None:
         progress(aff.queries)
-    try:
-        sp = head_spaces(oracle, aff, rng, heads=heads, max_maps=max_maps, progress=progress)
-    except ModelMismatch:
-        raise
+    sp = head_spaces(oracle, aff, rng, heads=heads, max_maps=max_maps, progress=progress)
     Ball = np.hstack(sp.bases)
     Binv = np.linalg.pinv(Ball)
     offs = np.cumsum([0] + [B.shape[1] for B in sp.bases])

@@ -60,9 +60,6 @@ def _split(parts: list[np.ndarray], P: np.ndarray) -> tuple[list[np.ndarray], bo
         if k <= 0 or k >= m or np.max(np.minimum(np.abs(ev), np.abs(ev - 1))) > SPLIT_TOL:
             out.append(B)                     # no split, or not clearly a projector on this part: keep it whole
             continue
-        if False:
-            out.append(B)
-            continue
         U1 = np.linalg.svd(Pb)[0][:, :k]
         U0 = np.linalg.svd(np.eye(m) - Pb)[0][:, :m - k]
         out += [np.linalg.qr(B @ U1)[0], np.linalg.qr(B @ U0)[0]]
