@@ -191,6 +191,34 @@ def ours_vs_anchor(p: dict, rng: np.random.Generator) -> dict:
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def vector_vs_scalar(p: dict, rng: np.random.Generator) -> dict:
+    """Vector answers against the scalar readout on layers of one size: queries, errors, the information
+    limit (the layer's degrees of freedom over the numbers one query returns)."""
+    from ..oracles.base import ModelOracle
+    d, H = int(p["d"]), int(p["heads"])
+    r = d // H
+    dof = H * (2 * (2 * d * r - r * r) + r) + d          # W_h, O_h (rank r each), c_h in W_h's key space, b
+    if p["kind"] == "scalar":
+        from ..extraction.multihead import extract_multihead
+        from ..models.multihead import random_multihead
+        model = random_multihead(d, H, rng=_seed(rng))
+        res = extract_multihead(ModelOracle(model), rng=_seed(rng), check=False)
+        e = res.errors(model)
+        return {"queries": res.queries, "numbers": res.queries, "W_rel_err": e["W_rel_err"], "O_rel_err": None,
+                "heads": res.heads, "limit": None}
+    from ..extraction.vector import extract_vector
+    from ..models.mha import random_layer
+    out = p["output"]
+    layer = random_layer(d, H, seed=_seed(rng)).with_output(out)
+    oracle = ModelOracle(layer)
+    res = extract_vector(oracle, rng=_seed(rng), check=False)
+    e = res.errors(layer.canonical())
+    per = d * (16 if out == "all" else 1)                  # numbers per query at the method's 16-token reads
+    return {"queries": res.queries, "numbers": int(oracle.numbers), "W_rel_err": e["W_rel_err"],
+            "O_rel_err": e["O_rel_err"], "c_rel_err": e["c_rel_err"], "heads": res.heads,
+            "limit": int(np.ceil(dof / per)), "dof": dof}
+
+
 def noisy_vs_tau(p: dict, rng: np.random.Generator) -> dict:
     """Theorem 6.1's error bound against tau: both estimators' ||W_hat - W||_F at one tolerance."""
     from ..extraction.robust.noisy import extract_noisy

@@ -33,6 +33,7 @@ from ..precision import ModelCheck
 from ..result import Fidelity, freeze_fields
 from .affine import affine_part
 from .scores import fit_scores, read_scores
+from .refine import precise_maps
 from .spaces import head_spaces, output_maps
 
 MODEL = "a multi-head attention layer with output projection"
@@ -115,10 +116,13 @@ def vector_fidelity(layer: CanonicalLayer, oracle: Oracle, n: int, *, rng=0, max
 
 def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.Generator | int = 0,
                    check: bool = True, verify: int = 256, check_rng: int = 10_000, oversample: float = 2.0,
-                   max_maps: int = 40, progress=None) -> VectorExtraction:
+                   max_maps: int = 40, refine: bool = True, progress=None) -> VectorExtraction:
     """Recover a multi-head attention layer with output projection from vector answers (see the module).
 
     Args:
+        refine: after stage C, take precise maps where the recovered scores show every head saturated with
+            room to spare (:mod:`.refine`; about 12 x (d + 1) more queries); kept only where the layer then
+            fits the answers already paid for better.
         oracle: answers with vectors (``oracle.output`` ``last`` or ``all``); refused before the first
             query otherwise.
         heads: the head count, or None to find it (the parts the output space splits into).
@@ -154,12 +158,26 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
         if not err_new < 0.8 * insample:            # keep a round only where it fits the paid answers better
             break
         O, sc, layer, insample = O_new, sc_new, layer_new, err_new
+    refined = {}
+    if refine:
+        # precise maps where the recovered scores say every head stays saturated (:mod:`.refine`)
+        Wm = np.stack([a @ b.T for a, b in zip(sc.A, sc.B)])
+        extra, q_ref = precise_maps(oracle, Wm, sc.C, len(O), sp.rho, sp.noise_unit, rng, progress=progress)
+        refined = {"precise_maps": len(extra), "refine_queries": q_ref}
+        if extra:
+            O_new = output_maps(sp, aff.M, model=(Wm, sc.C, O), extra=extra)[0]
+            sc_new = fit_scores(reads, aff.b, O_new, rng)
+            layer_new = _assemble(sc_new, O_new, r, aff.b, bool(aff.causal), oracle.output)
+            err_new = _insample(layer_new, reads)
+            refined["insample_rel_err"] = err_new
+            if err_new < insample:
+                O, sc, layer, insample = O_new, sc_new, layer_new, err_new
     spent = oracle.queries - before["queries"]
     diag = {"heads_found": len(sp.bases), "head_dim": int(sp.bases[0].shape[1]), "rank_M": sp.rank,
             "causal": aff.causal, "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
             "stage_B_queries": sp.queries, "stage_C_queries": sc.queries, "saturated_maps": sp.maps,
             "maps_rejected": sp.rejected, "selection_rank": design_rank, "map_idempotency": sp.idempotency, "score_fit_rms": sc.fit_rms,
-            "score_reads": sc.reads, "polish": polish, "insample_rel_err": insample, "token_norm": sc.token_norm, "numbers_received": int(oracle.numbers),
+            "score_reads": sc.reads, "polish": polish, "insample_rel_err": insample, "refine": refined, "token_norm": sc.token_norm, "numbers_received": int(oracle.numbers),
             **cost(oracle, before)}
     res = VectorExtraction(layer=layer, queries=spent, seconds=time.perf_counter() - t0, diagnostics=diag)
     if not check:

@@ -155,12 +155,15 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
     n, m, causal, last = reads.n, reads.m, reads.causal, reads.last
     key_rows = [[] for _ in range(H)]     # per head: key-space vectors g_h(k) = W_h k + c_h
     qry_rows = [[] for _ in range(H)]     # per head: query-space vectors W_h^T (k_i - k_0)
-    eqs = [([], [], [], []) for _ in range(H)]   # per head: e, x_t, D, weight of every score difference
+    eqs = [([], [], [], []) for _ in range(H)]   # per head: (query, t, i, j), D, weight of every score difference
+    Xs = np.stack([X for group in reads.groups for X, _, _ in group])   # (queries, n, d): rows built at the end
+    qid = -1
     nreads = 0
     for group in reads.groups:
         at_anchor = [[[] for _ in range(m)] for _ in range(H)]    # (directions, D) per head per anchor
         anchor_diffs = [[] for _ in range(H)]                      # (x_t, D(k_i) - D(k_0) for i >= 1)
         for X, idx, Yq in group:
+            qid += 1
             positions = [n - 1] if last else list(range(n))
             G = np.einsum("hod,nd->hon", O, X)
             W_all = _weights(G, Yq - b, positions, causal)
@@ -178,9 +181,9 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                         L = np.where(ok, np.log(np.where(ok, a, 1.0)), np.nan) - np.log(a[ref])
                     sel = np.flatnonzero(ok & (np.arange(len(vis)) != ref))
                     E = X[vis[sel]] - X[vis[ref]]
-                    ee, xx, DD, ww = eqs[h]
-                    ee.append(E)
-                    xx.append(np.repeat(X[t][None], len(sel), 0))
+                    ee, _, DD, ww = eqs[h]
+                    ee.append(np.stack([np.full(len(sel), qid), np.full(len(sel), t), vis[sel],
+                                        np.full(len(sel), vis[ref])], 1))
                     DD.append(L[sel])
                     ww.append(a[sel] * a[ref] / (a[sel] + a[ref]))     # 1 / std of a log ratio
                     if idx.get(t) is not None:                  # an anchor's position: its g_h read
@@ -219,10 +222,12 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                                   f"were read (need {r} each)")
         Ak = np.linalg.svd(Ka, full_matrices=False)[0][:, :r]
         Bq = np.linalg.svd(Qa, full_matrices=False)[0][:, :r]
-        ee, xx, DD, ww = (np.concatenate(z) for z in eqs[h])
+        ee, DD, ww = (np.concatenate(eqs[h][k]) for k in (0, 2, 3))
         if len(DD) > 20000:
             pick = rng.choice(len(DD), 20000, replace=False)
-            ee, xx, DD, ww = ee[pick], xx[pick], DD[pick], ww[pick]
+            ee, DD, ww = ee[pick], DD[pick], ww[pick]
+        xx = Xs[ee[:, 0], ee[:, 1]]
+        ee = Xs[ee[:, 0], ee[:, 2]] - Xs[ee[:, 0], ee[:, 3]]
         ea, xb = ee @ Ak, xx @ Bq
         Phi = np.hstack([(ea[:, :, None] * xb[:, None, :]).reshape(len(DD), -1), ea])
         sol = np.linalg.lstsq(Phi * ww[:, None], DD * ww, rcond=None)[0]

@@ -46,6 +46,8 @@ class Spaces:
     history: list = field(default_factory=list)
     maps_used: tuple = ()  # (J, P, noise, (u, v, basis, position)) of every clean map: J = O_S measured, P the
     noise_M: float = 0.0   # projector onto its heads' spaces, noise the spectral norm of J's error; noise_M: M's
+    rho: float = 0.0       # the token length the maps were taken at
+    noise_unit: float = 0.0  # spectral norm of a map's error times the perturbation's length, at that length
 
 
 def _rank(M: np.ndarray, rel_noise: float) -> tuple[np.ndarray, int, np.ndarray]:
@@ -185,7 +187,8 @@ def head_spaces(oracle: Oracle, aff: Affine, rng: np.random.Generator, *, heads:
                 rejected += 1
                 continue
             maps += 1
-            used.append((J, P, noise_J, (u, v, basis, pos if positions == 2 else 1)))   # the token position read
+            used.append((J, P, noise_J * max(rho / token_scale(dI, R), 1.0),     # rounding grows with |u|
+                         (u, v, basis, pos if positions == 2 else 1)))   # the token position read
             parts, split, dev = _split(parts, P)
             worst = max(worst, dev)
             split_any |= split
@@ -217,7 +220,8 @@ def head_spaces(oracle: Oracle, aff: Affine, rng: np.random.Generator, *, heads:
                               f"{maps} saturated maps ({queries} queries); give --heads H, or more --budget")
     bases = tuple(Ub @ B for B in parts)
     return Spaces(bases=bases, rank=r, maps=maps, rejected=rejected, queries=queries, idempotency=worst,
-                  history=history, maps_used=tuple((J, Ub @ P @ Ub.T, nz, at) for J, P, nz, at in used), noise_M=noise_M)
+                  history=history, maps_used=tuple((J, Ub @ P @ Ub.T, nz, at) for J, P, nz, at in used), noise_M=noise_M,
+                  rho=float(rho), noise_unit=float(np.sqrt(2.0) * sigma * spec * max(rho / token_scale(dI, R), 1.0)))
 
 
 def _leak(at, sel, W, c, O) -> np.ndarray:
@@ -242,7 +246,7 @@ def _leak(at, sel, W, c, O) -> np.ndarray:
     return out @ np.linalg.inv(basis)
 
 
-def output_maps(sp: Spaces, M: np.ndarray, model=None) -> tuple[np.ndarray, int]:
+def output_maps(sp: Spaces, M: np.ndarray, model=None, extra=()) -> tuple[np.ndarray, int]:
     """Every head's ``O_h`` (H, d_out, d) and the rank of the selection design used.
 
     Each clean map is a measured ``O_S = sum_{h in S} O_h`` whose heads S are read off its projector, and
@@ -251,7 +255,8 @@ def output_maps(sp: Spaces, M: np.ndarray, model=None) -> tuple[np.ndarray, int]
     not enter); each is then cut to its rank. Otherwise ``O_h = P_h M`` with ``P_h`` the oblique projector
     onto ``S_h`` along the other heads' spaces. ``model`` (W, c, O) in the heads' order: each map is first
     cleared of what the not-wholly-saturated heads add to it under that model (float32 layers: a head
-    20 logits from the switch still adds ~1e-4 through the long tokens; see :func:`_leak`)."""
+    20 logits from the switch still adds ~1e-4 through the long tokens; see :func:`_leak`). ``extra``:
+    further maps (J, selection, noise), the precise ones of :mod:`.refine`."""
     bases = sp.bases
     H = len(bases)
     r = bases[0].shape[1]
@@ -265,16 +270,14 @@ def output_maps(sp: Spaces, M: np.ndarray, model=None) -> tuple[np.ndarray, int]
         rows.append(np.round(sel))
         mats.append(J)
         wts.append(1.0 / max(nz, 1e-300))
-    S = np.array(rows) * np.array(wts)[:, None]
-    rank = int(np.linalg.matrix_rank(S))
-    if rank == H:
-        Y = np.stack(mats) * np.array(wts)[:, None, None]
-        O = np.einsum("hk,kij->hij", np.linalg.pinv(S), Y)
-        out = []
-        for h in range(H):
-            U, s, Vt = np.linalg.svd(O[h], full_matrices=False)
-            out.append((U[:, :r] * s[:r]) @ Vt[:r])
-        return np.stack(out), rank
+    for J, sel, nz in extra:
+        rows.append(sel)
+        mats.append(J)
+        wts.append(1.0 / max(nz, 1e-300))
+    from .refine import solve_output_maps
+    O, rank = solve_output_maps(rows, mats, [1.0 / w for w in wts], r)
+    if O is not None:
+        return O, rank
     Ball = np.hstack(bases)
     Binv = np.linalg.pinv(Ball)
     return np.stack([bases[h] @ (Binv[h * r:(h + 1) * r] @ M) for h in range(H)]), rank
