@@ -1,0 +1,130 @@
+"""Benchmark of vector-answer extraction (extract_vector) against the width d and the head count H.
+
+Random float64 layers (``random_layer(d, H, seed=k, output="all")``, head_dim = d / H, no biases) answer
+at every position; ``extract_vector(oracle, heads=None, rng=k)`` finds the head count itself. One row per
+case and seed: d, H, head_dim, queries (and per stage: A affine, B head spaces, C scores), heads found,
+seconds of the extraction (``res.seconds``; ``wall`` adds the model check on 256 fresh sequences), the worst
+matched head's relative errors of W_h, c_h, O_h (``res.errors(truth)``) and the fidelity (the check's
+figure: largest error of any answered number on fresh sequences over the answers' rms). A case that
+raises prints its error in place of the row.
+
+Grid: d in {32, 64, 128, 256, 512} at H = 4, and H in {2, 4, 8, 16} at d = 128. ``--big`` adds d = 1024
+(CASES_BIG; its time measured on this machine is below); ``--quick`` keeps d <= 256.
+
+Reference lines in the plot: ``d + 1`` (stage A's one-token queries alone) and the information limit
+``dof / (numbers per query)``: dof = H (2 d r - r^2 + d + 2 d r - r^2) + d unknowns (W_h and O_h of rank
+r = head_dim, c_h, b), and numbers per query = N d for the method's own mean sequence length N (the
+answers it received over its queries), i.e. the fewest queries that could carry as many numbers as there
+are unknowns.
+
+    .venv/bin/python benchmarks/bench_vector.py --quick           # d <= 256 (~? minutes)
+    .venv/bin/python benchmarks/bench_vector.py --plot docs/img/vector_scaling.png --json rows.json
+
+measured on this machine: (filled in below)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from headthief.extraction.vector import extract_vector
+from headthief.models.mha import random_layer
+from headthief.oracles.base import ModelOracle
+
+CASES = [(d, 4) for d in (32, 64, 128, 256, 512)] + [(128, H) for H in (2, 8, 16)]   # (d, H)
+CASES_BIG = [(1024, 4)]
+
+
+def dof(d: int, H: int) -> int:
+    r = d // H
+    return H * (2 * d * r - r * r + d + 2 * d * r - r * r) + d
+
+
+def run_case(d: int, H: int, seed: int) -> dict:
+    row = {"d": d, "H": H, "head_dim": d // H, "seed": seed}
+    t0 = time.perf_counter()
+    try:
+        layer = random_layer(d, H, seed=seed, output="all")
+        res = extract_vector(ModelOracle(layer), heads=None, rng=seed, check=True)
+        e = res.errors(layer.canonical())
+    except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash
+        row.update(error=f"{type(exc).__name__}: {exc}", wall=time.perf_counter() - t0)
+        return row
+    dg = res.diagnostics
+    row.update(queries=res.queries, A=dg["stage_A_queries"], B=dg["stage_B_queries"], C=dg["stage_C_queries"],
+               heads=res.heads, sec=res.seconds, wall=time.perf_counter() - t0, W=e["W_rel_err"],
+               c=e["c_rel_err"], O=e["O_rel_err"], fid=res.check.figure, verdict=res.check.verdict,
+               numbers=dg["numbers_received"], dof=dof(d, H))
+    row["info_limit"] = row["dof"] / (row["numbers"] / row["queries"])
+    return row
+
+
+HEAD = (f"{'d':>5} {'H':>3} {'dh':>4} {'seed':>4} {'queries':>7} {'A':>5} {'B':>6} {'C':>5} {'heads':>5} "
+        f"{'sec':>7} {'wall':>7} {'W err':>8} {'c err':>8} {'O err':>8} {'fidelity':>8} {'info lim':>8}")
+
+
+def fmt_row(r: dict) -> str:
+    lead = f"{r['d']:>5} {r['H']:>3} {r['head_dim']:>4} {r['seed']:>4}"
+    if "error" in r:
+        return f"{lead}  FAILED after {r['wall']:.1f} s: {r['error']}"
+    e = lambda x: "-" if x is None else f"{x:.1e}"   # noqa: E731
+    return (f"{lead} {r['queries']:>7} {r['A']:>5} {r['B']:>6} {r['C']:>5} {r['heads']:>5} {r['sec']:>7.1f} "
+            f"{r['wall']:>7.1f} {e(r['W'])} {e(r['c'])} {e(r['O'])} {e(r['fid'])} {r['info_limit']:>8.1f}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ok = [r for r in rows if "error" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, xs_of, title in ((axes[0], "d", lambda r: r["H"] == 4, "H = 4 (head_dim = d/4)"),
+                                  (axes[1], "H", lambda r: r["d"] == 128, "d = 128 (head_dim = 128/H)")):
+        sel = sorted((r for r in ok if xs_of(r)), key=lambda r: r[key])
+        if not sel:
+            continue
+        x = np.array([r[key] for r in sel], float)
+        ax.loglog(x, [r["queries"] for r in sel], "o-", label="queries")
+        ax.loglog(x, [r["sec"] for r in sel], "s-", label="seconds")
+        ax.loglog(x, [r["d"] + 1 for r in sel], "k--", lw=1, label="d + 1")
+        ax.loglog(x, [r["info_limit"] for r in sel], "k:", lw=1, label="information limit")
+        ax.set_xlabel(key)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("extract_vector, random float64 layers, output=all, heads auto")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="d <= 256 only")
+    ap.add_argument("--big", action="store_true", help="also d = 1024 (slow, see the docstring)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per case (layer seed and rng = 0..K-1)")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--plot", metavar="PATH.png", help="draw queries and seconds vs d and vs H")
+    args = ap.parse_args(argv)
+
+    cases = CASES + (CASES_BIG if args.big else [])
+    if args.quick:
+        cases = [(d, H) for d, H in cases if d <= 256]
+    print(HEAD, flush=True)
+    rows = []
+    for d, H in cases:
+        for seed in range(args.seeds):
+            rows.append(run_case(d, H, seed))
+            print(fmt_row(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
