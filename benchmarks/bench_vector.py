@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="d <= 256 only")
     ap.add_argument("--big", action="store_true", help="also d = 1024 (slow, see the docstring)")
+    ap.add_argument("--case", action="append", metavar="D:H", help="run only these cases (repeatable)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per case (layer seed and rng = 0..K-1)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="draw queries and seconds vs d and vs H")
@@ -113,6 +114,8 @@ def main(argv=None) -> None:
     cases = CASES + (CASES_BIG if args.big else [])
     if args.quick:
         cases = [(d, H) for d, H in cases if d <= 256]
+    if args.case:
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.case]
     print(HEAD, flush=True)
     rows = []
     for d, H in cases:
