@@ -123,3 +123,20 @@ def test_safetensors_export_answers_like_the_target(tmp_path):
         yh = np.asarray(forward(torch.from_numpy(X.astype(np.float32))), dtype=np.float64)
     # float32 module: a few float32 roundings per product of length d, relative to the output scale
     assert np.max(np.abs(yh - y)) <= 64 * 32 * np.finfo(np.float32).eps * np.max(np.abs(y))
+
+
+def test_aimed_maps_bring_float32_output_maps_to_the_answers_noise():
+    """refine.py: maps aimed with the recovered score gradients (perturbations half a token long) must
+    leave O_h at the answers' own rounding, far below stage B's blind 1% maps; the refit follows."""
+    layer = random_layer(48, 4, seed=21, output="all", dtype=np.float32)
+    truth = layer.canonical()
+    blind = extract_vector(ModelOracle(layer), heads=4, rng=5, refine=False, verify=64)
+    aimed = extract_vector(ModelOracle(layer), heads=4, rng=5, refine=True, verify=64)
+    noise = aimed.diagnostics["answer_rel_noise"]
+    e0, e1 = blind.errors(truth), aimed.errors(truth)
+    assert aimed.diagnostics["stage_R_queries"] == (4 + 2) * (48 - 4 + 1)      # H + 2 maps of d - H + 1 queries
+    assert aimed.queries == blind.queries + aimed.diagnostics["stage_R_queries"]
+    assert aimed.diagnostics["refine_kept"]
+    assert e1["O_rel_err"] < 30 * noise < e0["O_rel_err"]
+    assert e1["W_rel_err"] < e0["W_rel_err"] / 5 and e1["c_rel_err"] < e0["c_rel_err"]
+    assert aimed.check.verdict == "pass" and aimed.check.figure < blind.check.figure / 5

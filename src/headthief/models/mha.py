@@ -205,12 +205,13 @@ class CanonicalLayer:
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
-        keys = np.einsum("knd,hdr->khnr", X, self.A)
-        qs = np.einsum("knd,hdr->khnr", X, self.B)
-        S = np.einsum("khtr,khir->khti", qs, keys) + np.einsum("knd,hd->khn", X, self.C)[:, :, None, :]
+        Xb = X[:, None]                                                 # (k, 1, n, d): batched matmuls (BLAS)
+        keys = Xb @ self.A[None]                                         # (k, H, n, r)
+        qs = Xb @ self.B[None]
+        S = qs @ keys.transpose(0, 1, 3, 2) + (X @ self.C.T).transpose(0, 2, 1)[:, :, None, :]
         Att = _softmax_rows(S, self.causal)
-        Z = np.einsum("khti,kid->khtd", Att, X)                        # each head's attended mean of tokens
-        return self.b + np.einsum("khtd,hdr,her->kte", Z, self.Vt, self.U)
+        Z = Att @ Xb                                                     # each head's attended mean of tokens
+        return self.b + ((Z @ self.Vt[None]) @ self.U.transpose(0, 2, 1)[None]).sum(1)
 
     def evaluate(self, batch):
         groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
@@ -219,7 +220,7 @@ class CanonicalLayer:
     def attention(self, X: np.ndarray) -> np.ndarray:
         """Attention weights (H, N, N) of one sequence."""
         X = np.asarray(X, dtype=np.float64)
-        S = np.einsum("hdr,td,ie,her->hti", self.B, X, X, self.A) + (X @ self.C.T).T[:, None, :]
+        S = (X @ self.B) @ (X @ self.A).transpose(0, 2, 1) + (X @ self.C.T).T[:, None, :]
         return _softmax_rows(S, self.causal)
 
     def errors(self, truth: "CanonicalLayer") -> dict[str, Any]:

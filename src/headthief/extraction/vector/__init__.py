@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable, SpecError
 from ...models.mha import CanonicalLayer
 from ...oracles.base import Oracle
 from ..check import counters, cost
@@ -33,7 +33,7 @@ from ..precision import ModelCheck
 from ..result import Fidelity, freeze_fields
 from .affine import affine_part
 from .scores import fit_scores, read_scores
-from .refine import precise_maps
+from .refine import directed_maps, solve_directed
 from .spaces import head_spaces, output_maps
 
 MODEL = "a multi-head attention layer with output projection"
@@ -120,9 +120,11 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     """Recover a multi-head attention layer with output projection from vector answers (see the module).
 
     Args:
-        refine: after stage C, take precise maps where the recovered scores show every head saturated with
-            room to spare (:mod:`.refine`; about 12 x (d + 1) more queries); kept only where the layer then
-            fits the answers already paid for better.
+        refine: after stage C, take aimed maps (:mod:`.refine`: every head set 60 logits to a chosen side
+            by the recovered score gradients, perturbations half the token long off those gradients;
+            (H + 2)(d - H + 1) more queries), solve the O_h from them and refit the scores; kept only where
+            the layer then fits the answers already paid for better. Without it, a polish that clears
+            stage B's maps of nearly-saturated heads' leak (no queries) is run instead.
         oracle: answers with vectors (``oracle.output`` ``last`` or ``all``); refused before the first
             query otherwise.
         heads: the head count, or None to find it (the parts the output space splits into).
@@ -148,7 +150,7 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     layer = _assemble(sc, O, r, aff.b, bool(aff.causal), oracle.output)
     insample = _insample(layer, reads)
     polish = []
-    for _ in range(POLISH_ROUNDS):       # no query: the maps and the reads already paid for, fitted again
+    for _ in range(0 if refine else POLISH_ROUNDS):   # (the aimed maps of refine supersede the polish)       # no query: the maps and the reads already paid for, fitted again
         model = (np.stack([a @ b.T for a, b in zip(sc.A, sc.B)]), sc.C, O)
         O_new = output_maps(sp, aff.M, model=model)[0]
         sc_new = fit_scores(reads, aff.b, O_new, rng)
@@ -160,22 +162,29 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
         O, sc, layer, insample = O_new, sc_new, layer_new, err_new
     refined = {}
     if refine:
-        # precise maps where the recovered scores say every head stays saturated (:mod:`.refine`)
+        # aimed maps: the recovered score gradients choose every head's side and the safe directions (:mod:`.refine`)
         Wm = np.stack([a @ b.T for a, b in zip(sc.A, sc.B)])
-        extra, q_ref = precise_maps(oracle, Wm, sc.C, len(O), sp.rho, sp.noise_unit, rng, progress=progress)
-        refined = {"precise_maps": len(extra), "refine_queries": q_ref}
-        if extra:
-            O_new = output_maps(sp, aff.M, model=(Wm, sc.C, O), extra=extra)[0]
-            sc_new = fit_scores(reads, aff.b, O_new, rng)
+        meas, q_ref, info = directed_maps(oracle, Wm, sc.C, aff.rel_noise, rng, b=aff.b, progress=progress)
+        refined = {"refine_queries": q_ref, **info}
+        O_new = solve_directed(meas, aff.M, sp.noise_M, len(O), r) if meas else None
+        if O_new is not None:
+            try:
+                sc_new = fit_scores(reads, aff.b, O_new, rng)
+            except NotIdentifiable as e:               # the refit failed: keep stage C's layer, say why
+                refined["failed"] = str(e)
+                O_new = None
+        if O_new is not None:
             layer_new = _assemble(sc_new, O_new, r, aff.b, bool(aff.causal), oracle.output)
             err_new = _insample(layer_new, reads)
             refined["insample_rel_err"] = err_new
+            refined["kept"] = bool(err_new < insample)
             if err_new < insample:
                 O, sc, layer, insample = O_new, sc_new, layer_new, err_new
     spent = oracle.queries - before["queries"]
     diag = {"heads_found": len(sp.bases), "head_dim": int(sp.bases[0].shape[1]), "rank_M": sp.rank,
             "causal": aff.causal, "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
-            "stage_B_queries": sp.queries, "stage_C_queries": sc.queries, "saturated_maps": sp.maps,
+            "stage_B_queries": sp.queries, "stage_C_queries": sc.queries,
+            "stage_R_queries": int(refined.get("refine_queries", 0)), "refine_kept": bool(refined.get("kept", False)), "saturated_maps": sp.maps,
             "maps_rejected": sp.rejected, "selection_rank": design_rank, "map_idempotency": sp.idempotency, "score_fit_rms": sc.fit_rms,
             "score_reads": sc.reads, "polish": polish, "insample_rel_err": insample, "refine": refined, "token_norm": sc.token_norm, "numbers_received": int(oracle.numbers),
             **cost(oracle, before)}

@@ -1,93 +1,128 @@
-"""The vector method's refinement: precise output maps chosen with the layer already recovered.
+"""The vector method's refinement: precise output maps aimed with the layer already recovered.
 
 Stage B's maps must be taken blind: small perturbations (1% of the token) so that no head desaturates
-across them, which leaves a float32 layer's maps at the answers' noise over 1% (~3.5e-5 on MiniLM, O_h
-to ~1e-4, and through the attention weights read with them, W_h to ~2e-3). Once stage C has recovered
-every head's scores, the gap ``(x_0 - x_1)^T (W_h x_t + c_h)`` of any two-token query, and how far a
-perturbation of radius ``eta |x_0|`` can move it, are known for every head: queries whose every head
-stays 40 logits (plus a margin for the model's own error) from its switch can take perturbations up to
-half the token's length, and their heads' selections are known in advance. Their maps carry 50x less
-noise; the O_h follow by least squares over them, M and stage B's maps (each weighted by its noise).
+across them, which leaves a float32 layer's maps at the answers' noise over 1% (MiniLM layer 2: ~3.5e-5,
+O_h to ~1e-4, and through the attention weights read with them, W_h to ~2e-3). Once stage C has
+recovered every head's score gradient, a map can be aimed. At the query position of a two-token query
+``[u, v]`` (the last token is the query) head h's score gap is *linear* in u:
+``gap_h = (u - v)^T g_h`` with ``g_h = W_h v + c_h``. So
+
+- u = v + delta with delta the least-norm solution of ``g_h^T delta = +-T`` sets every head's gap to the
+  chosen side at T = 60 logits (the selections are chosen, not found: any pattern, any input norm);
+- perturbations of u orthogonal to every (estimated) ``g_h`` leave every gap unchanged up to the model's
+  error, so they can be as long as half the token: the answers' rounding over the perturbation's length
+  falls ~50x below stage B's.
+
+Each map is measured on the d - H directions orthogonal to its ``g_h`` (different for every v), and the
+``O_h`` follow by one weighted least-squares solve over every measured direction of every map, M's
+columns and stage B's maps (:func:`solve_directed`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ...errors import NotIdentifiable
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 
-MARGIN = 40.0                     # logits every head keeps from its switch over the whole perturbation
-ETAS = (0.5, 0.35, 0.25, 0.18, 0.12)
-CANDIDATES = 32                   # (u, v) pairs screened with the model (no query) per map
+T_GAP = 60.0          # logits every head is set from its switch (e^-45 after the model error's share)
+COUPLING = 15.0       # logits the model's error may move a gap over a perturbation
+MODEL_ERR = 2e-2      # relative error of the recovered score gradients assumed when aiming (conservative)
 
 
-def _gaps(W, c, x0, x1, t):
-    """Every head's score gap (token 0 minus token 1) at position t, and how fast a perturbation of x0 of
-    length one can move it (first order) and its curvature bound."""
-    xt = x0 if t == 0 else x1
-    g = np.einsum("i,hij,j->h", x0 - x1, W, xt) + (c @ (x0 - x1))
-    lin = np.linalg.norm(np.einsum("hij,j->hi", W, xt) + c, axis=1)
-    if t == 0:
-        lin = lin + np.linalg.norm(np.einsum("i,hij->hj", x0 - x1, W), axis=1)
-        quad = np.array([np.linalg.norm(w, 2) for w in W])
-    else:
-        quad = np.zeros(len(W))
-    return g, lin, quad
-
-
-def precise_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, H: int, rho: float, noise_unit: float,
-                 rng: np.random.Generator, *, max_maps: int = 16, rel_model_err: float = 1e-2,
-                 progress=None) -> tuple[list, int]:
-    """Maps ``O_S`` (d_out x d) with their 0/1 selections and noise, measured where the model says every
-    head is saturated with room to spare; stops once the selections (with M's all-ones row) have rank H
-    and H + 2 rows. ``noise_unit``: the answers' noise at token length rho (spectral norm per unit
-    perturbation is noise_unit / (eta rho))."""
+def directed_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, rel_noise: float, rng: np.random.Generator, *,
+                  maps: int | None = None, b: np.ndarray | None = None, progress=None) -> tuple[list, int, dict]:
+    """Aimed maps (see the module): a list of ``(sel, P, JP, noise)`` with P (d, k) orthonormal directions,
+    JP (d_out, k) the measured ``O_S P`` and noise the rms error of one of its entries; the queries sent;
+    what was chosen (token length, perturbation length)."""
     d = oracle.d
-    positions = 2 if oracle.output is Output.ALL else 1
-    ts = (0, 1) if positions == 2 else (1,)
+    H = len(W)
+    maps = H + 2 if maps is None else maps
+    R = oracle.input_norm
+    v0 = rng.standard_normal(d)
+    v0 /= np.linalg.norm(v0)
+    slope = float(np.max(np.linalg.norm(np.einsum("hij,j->hi", W, v0), axis=1)))   # |g_h| per unit token length
+    # token length rho with perturbations of length rho / 2: MODEL_ERR * |g| * rho / 2 <= COUPLING
+    rho = float(np.sqrt(2.0 * COUPLING / (MODEL_ERR * max(slope, 1e-12))))
+    if R is not None:
+        rho = min(rho, R / 1.4)
+    L = rho / 2.0
     out, queries = [], 0
-    rows = [np.ones(H)]
-    for _ in range(max_maps):
-        best = None
-        for _ in range(CANDIDATES):
-            u, v = (rng.standard_normal(d) for _ in range(2))
-            u *= rho / np.linalg.norm(u)
-            v *= rho / np.linalg.norm(v)
-            for eta in ETAS:
-                r_p = eta * rho
-                ok = []
-                for t in ts:
-                    g, lin, quad = _gaps(W, c, u, v, t)
-                    worst = np.abs(g) - r_p * lin - r_p ** 2 * quad - rel_model_err * np.abs(g)
-                    ok.append(bool(np.all(worst >= MARGIN)))
-                score = eta * sum(ok)
-                if sum(ok) and (best is None or score > best[0]):
-                    best = (score, u, v, eta, ok)
-                if all(ok):
-                    break
-        if best is None:
-            break
-        _, u, v, eta, ok = best
-        basis = np.linalg.qr(rng.standard_normal((d, d)))[0] * (eta * rho)
-        batch = np.concatenate([np.stack([u, v])[None], np.stack([np.stack([u + basis[:, k], v]) for k in range(d)])])
+    for sel in _patterns(H, maps, rng):
+        v = rng.standard_normal(d)
+        v *= rho / np.linalg.norm(v)
+        G = np.einsum("hij,j->hi", W, v) + c                               # (H, d) score gradients at v
+        delta = np.linalg.lstsq(G, T_GAP * (2 * sel - 1), rcond=None)[0]  # least norm: gaps +-T
+        u = v + delta
+        Qg = np.linalg.qr(G.T)[0]                                          # span of the g_h
+        P = np.linalg.qr(rng.standard_normal((d, d - H)) - Qg @ (Qg.T @ rng.standard_normal((d, d - H))))[0]
+        P = P - Qg @ (Qg.T @ P)
+        P = np.linalg.qr(P)[0]                                             # (d, d - H), orthogonal to every g_h
+        if R is not None and np.linalg.norm(u) + L > R:
+            raise NotIdentifiable(f"an aimed map needs tokens of length {np.linalg.norm(u) + L:.3g} > the input "
+                                  f"norm bound {R:.3g}: the scores are too flat at this length")
+        batch = np.concatenate([np.stack([u, v])[None], np.stack([np.stack([u + L * P[:, k], v]) for k in range(P.shape[1])])])
         Y = oracle.query(batch)
         queries += len(batch)
         if progress is not None:
             progress(len(batch))
-        if oracle.output is Output.LAST:
-            Y = Y[:, None, :]
-        inv = np.linalg.inv(basis)
-        for i, t in enumerate(ts):
-            if not ok[i]:
+        Y = Y[:, -1, :] if oracle.output is Output.ALL else Y
+        JP = (Y[1:] - Y[0]).T / L
+        scale = float(np.sqrt(np.mean(Y[0] ** 2)))
+        out.append((sel, P, JP, np.sqrt(2.0) * rel_noise * scale / L))
+    return out, queries, {"token_length": rho, "perturbation_length": L, "maps": len(out)}
+
+
+def _patterns(H: int, maps: int, rng: np.random.Generator, candidates: int = 256) -> list[np.ndarray]:
+    """0/1 selections (which heads attend to u), chosen greedily so that every two heads differ in as many
+    maps as possible: each map measures O_S only off its own g_h, so two heads must be told apart by
+    several maps (two random patterns alike but for one map left MiniLM's heads 8 and 9 at 2e8)."""
+    rows: list[np.ndarray] = []
+    for _ in range(maps):
+        best, key = None, None
+        for _ in range(candidates):
+            sel = (rng.random(H) < 0.5).astype(float)
+            if sel.sum() in (0, H):
                 continue
-            J = (Y[1:, i, :] - Y[0, i, :]).T @ inv
-            sel = (_gaps(W, c, u, v, t)[0] > 0).astype(float)
-            out.append((J, sel, noise_unit / (eta * rho)))
-            rows.append(sel)
-        if len(rows) >= H + 3 and np.linalg.matrix_rank(np.array(rows)) == H:
-            break
-    return out, queries
+            S = np.array(rows + [sel])
+            diff = np.abs(S[:, :, None] - S[:, None, :]).sum(0) + np.eye(H) * 1e9   # maps telling h, h' apart
+            k = (diff.min(), np.linalg.svd(np.vstack([np.ones(H), S]), compute_uv=False)[-1])
+            if key is None or k > key:
+                best, key = sel, k
+        rows.append(best)
+    return rows
+
+
+def solve_directed(meas, M: np.ndarray, noise_M: float, H: int, r: int, extra=()) -> np.ndarray | None:
+    """``O_h`` (H, d_out, d) by weighted least squares over every measured direction: a map's column
+    ``O_S p = sum_h sel_h O_h p`` is one row ``kron(sel, p)`` of the design for the stacked ``O_h^T``; M's
+    columns are rows ``kron(1, e_i)``; ``extra`` (sel, J, noise) whole maps (stage B's). Each O_h is then cut
+    to rank r. None where the design does not have full column rank."""
+    d_out, d = M.shape
+    A, Bv = [], []
+    sd_M = noise_M / np.sqrt(d_out)
+    A.append(np.kron(np.ones((1, H)), np.eye(d)) / sd_M)
+    Bv.append(M.T / sd_M)
+    for sel, J, nz in extra:
+        sd = nz / np.sqrt(d_out)
+        A.append(np.kron(sel[None], np.eye(d)) / sd)
+        Bv.append(J.T / sd)
+    for sel, P, JP, nz in meas:
+        A.append(np.kron(sel[None], P.T) / nz)
+        Bv.append(JP.T / nz)
+    A = np.vstack(A)
+    Bv = np.vstack(Bv)
+    from scipy.linalg import lstsq
+    sol, _, rank, _ = lstsq(A, Bv, lapack_driver="gelsy")
+    if rank < H * d:
+        return None
+    Ofull = sol.reshape(H, d, d_out).transpose(0, 2, 1)
+    out = []
+    for h in range(H):
+        U, s, Vt = np.linalg.svd(Ofull[h], full_matrices=False)
+        out.append((U[:, :r] * s[:r]) @ Vt[:r])
+    return np.stack(out)
 
 
 def solve_output_maps(rows, mats, noises, r: int) -> tuple[np.ndarray | None, int]:
