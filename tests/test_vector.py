@@ -134,7 +134,7 @@ def test_aimed_maps_bring_float32_output_maps_to_the_answers_noise():
     aimed = extract_vector(ModelOracle(layer), heads=4, rng=5, refine=True, verify=64)
     noise = aimed.diagnostics["answer_rel_noise"]
     e0, e1 = blind.errors(truth), aimed.errors(truth)
-    assert aimed.diagnostics["stage_R_queries"] == (4 + 2) * (48 - 4 + 1)      # H + 2 maps of d - H + 1 queries
+    assert aimed.diagnostics["stage_R_queries"] == (4 + 2) * (48 - 4)      # H + 2 maps of d - H queries
     assert aimed.queries == blind.queries + aimed.diagnostics["stage_R_queries"]
     assert aimed.diagnostics["refine_kept"]
     assert e1["O_rel_err"] < 30 * noise < e0["O_rel_err"]

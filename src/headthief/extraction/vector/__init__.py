@@ -122,7 +122,7 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     Args:
         refine: after stage C, take aimed maps (:mod:`.refine`: every head set 60 logits to a chosen side
             by the recovered score gradients, perturbations half the token long off those gradients;
-            (H + 2)(d - H + 1) more queries), solve the O_h from them and refit the scores; kept only where
+            (H + 2)(d - H) more queries), solve the O_h from them and refit the scores; kept only where
             the layer then fits the answers already paid for better. Without it, a polish that clears
             stage B's maps of nearly-saturated heads' leak (no queries) is run instead.
         oracle: answers with vectors (``oracle.output`` ``last`` or ``all``); refused before the first

@@ -46,22 +46,29 @@ def directed_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, rel_noise: float
     # token length rho with perturbations of length rho / 2: MODEL_ERR * |g| * rho / 2 <= COUPLING
     rho = float(np.sqrt(2.0 * COUPLING / (MODEL_ERR * max(slope, 1e-12))))
     if R is not None:
-        rho = min(rho, R / 1.4)
-    L = rho / 2.0
-    out, queries = [], 0
+        rho = min(rho, R / 1.2)
+    out, queries, lengths = [], 0, []
     for sel in _patterns(H, maps, rng):
-        v = rng.standard_normal(d)
-        v *= rho / np.linalg.norm(v)
-        G = np.einsum("hij,j->hi", W, v) + c                               # (H, d) score gradients at v
-        delta = np.linalg.lstsq(G, T_GAP * (2 * sel - 1), rcond=None)[0]  # least norm: gaps +-T
-        u = v + delta
-        Qg = np.linalg.qr(G.T)[0]                                          # span of the g_h
-        P = np.linalg.qr(rng.standard_normal((d, d - H)) - Qg @ (Qg.T @ rng.standard_normal((d, d - H))))[0]
-        P = P - Qg @ (Qg.T @ P)
-        P = np.linalg.qr(P)[0]                                             # (d, d - H), orthogonal to every g_h
-        if R is not None and np.linalg.norm(u) + L > R:
-            raise NotIdentifiable(f"an aimed map needs tokens of length {np.linalg.norm(u) + L:.3g} > the input "
-                                  f"norm bound {R:.3g}: the scores are too flat at this length")
+        for attempt in range(12):                     # under a norm bound: shorter tokens until the map fits
+            v = rng.standard_normal(d)
+            v *= rho * 0.85 ** attempt / np.linalg.norm(v)
+            G = np.einsum("hij,j->hi", W, v) + c                           # (H, d) score gradients at v
+            delta = np.linalg.lstsq(G, T_GAP * (2 * sel - 1), rcond=None)[0]   # least norm: gaps +-T
+            u = v + delta
+            # perturbations orthogonal to every g_h (gaps unchanged) and to u (|u + p|^2 = |u|^2 + L^2)
+            Qg = np.linalg.qr(np.column_stack([G.T, u]))[0]
+            P = rng.standard_normal((d, d - H - 1))
+            P = np.linalg.qr(P - Qg @ (Qg.T @ P))[0]
+            L = min(rho / 2.0, COUPLING / (MODEL_ERR * float(np.max(np.linalg.norm(G, axis=1)))))
+            if R is not None:
+                room = 0.98 * R * R - float(u @ u)
+                L = min(L, np.sqrt(room) if room > 0 else 0.0)
+            if L >= rho / 8.0 and (R is None or np.linalg.norm(v) <= R):
+                break
+        else:
+            raise NotIdentifiable(f"no aimed map fits the input norm bound {R:.3g}: setting the heads' gaps to "
+                                  f"+-{T_GAP:.0f} needs tokens of length {np.linalg.norm(u):.3g}")
+        lengths.append(L)
         batch = np.concatenate([np.stack([u, v])[None], np.stack([np.stack([u + L * P[:, k], v]) for k in range(P.shape[1])])])
         Y = oracle.query(batch)
         queries += len(batch)
@@ -71,7 +78,8 @@ def directed_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, rel_noise: float
         JP = (Y[1:] - Y[0]).T / L
         scale = float(np.sqrt(np.mean(Y[0] ** 2)))
         out.append((sel, P, JP, np.sqrt(2.0) * rel_noise * scale / L))
-    return out, queries, {"token_length": rho, "perturbation_length": L, "maps": len(out)}
+    return out, queries, {"token_length": rho, "perturbation_length": float(np.median(lengths)) if lengths else 0.0,
+                          "maps": len(out)}
 
 
 def _patterns(H: int, maps: int, rng: np.random.Generator, candidates: int = 256) -> list[np.ndarray]:
