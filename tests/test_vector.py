@@ -140,3 +140,11 @@ def test_aimed_maps_bring_float32_output_maps_to_the_answers_noise():
     assert e1["O_rel_err"] < 30 * noise < e0["O_rel_err"]
     assert e1["W_rel_err"] < e0["W_rel_err"] / 5 and e1["c_rel_err"] < e0["c_rel_err"]
     assert aimed.check.verdict == "pass" and aimed.check.figure < blind.check.figure / 5
+
+
+def test_bert_block_given_to_the_attention_method_is_a_model_mismatch():
+    """A whole encoder block (LayerNorm, GELU FFN after the attention) is not affine on one-token queries:
+    stage A says so and the run ends in exit 5, not in a linear-algebra error later."""
+    rep = ht.extract("bert-block:d=16,heads=2,ffn=32,seed=1", method="vector", raise_errors=False, verify=16)
+    assert rep.exit_code == 5, rep.row
+    assert "not affine" in rep.row["error"] and rep.row["queries_sent"] == 1 + 16 + 8      # b, d basis tokens, 8 extra

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...errors import ModelMismatch
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 
 EXTRA = 8          # one-token queries beyond d + 1 that measure the answers' precision
+AFFINE_LIMIT = 1e-2  # one-token answers further than this (relative) from affine: not an attention layer
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ def affine_part(oracle: Oracle, rng: np.random.Generator) -> Affine:
     res = Y[d + 1:] - pred
     sigma = float(np.sqrt(np.mean(res ** 2)))
     scale = float(np.sqrt(np.mean(Y[d + 1:] ** 2)))
+    if sigma > AFFINE_LIMIT * max(scale, 1e-300):
+        raise ModelMismatch(
+            f"one-token answers are not affine in the token (relative residual {sigma / max(scale, 1e-300):.3g} > "
+            f"{AFFINE_LIMIT:g} on {EXTRA} fresh tokens): a multi-head attention layer answers y = M x + b to a single "
+            "token; this target has a nonlinearity after the attention (LayerNorm, an FFN, a second layer) or answers "
+            "noisier than the method can use", check="affine", figure=sigma / max(scale, 1e-300), threshold=AFFINE_LIMIT)
     causal = None
     q = len(tokens)
     if pair is not None:
