@@ -8,8 +8,9 @@ matched head's relative errors of W_h, c_h, O_h (``res.errors(truth)``) and the 
 figure: largest error of any answered number on fresh sequences over the answers' rms). A case that
 raises prints its error in place of the row.
 
-Grid: d in {32, 64, 128, 256, 512} at H = 4, and H in {2, 4, 8, 16} at d = 128. ``--big`` adds d = 1024
-(CASES_BIG; its time measured on this machine is below); ``--quick`` keeps d <= 256.
+Grid: d in {32, 64, 128} at H = 4, H in {4, 8, 16} at d = 128, and d = 256 at H = 16. ``--big`` adds
+(128, 2), (256, 4), (512, 16), (1024, 16) (minutes to hours: stage C's core fit has head_dim^2 unknowns per head);
+``--quick`` keeps d <= 64.
 
 Reference lines in the plot: ``d + 1`` (stage A's one-token queries alone) and the information limit
 ``dof / (numbers per query)``: dof = H (2 d r - r^2 + d + 2 d r - r^2) + d unknowns (W_h and O_h of rank
@@ -17,10 +18,20 @@ r = head_dim, c_h, b), and numbers per query = N d for the method's own mean seq
 answers it received over its queries), i.e. the fewest queries that could carry as many numbers as there
 are unknowns.
 
-    .venv/bin/python benchmarks/bench_vector.py --quick           # d <= 256 (~? minutes)
+    .venv/bin/python benchmarks/bench_vector.py --quick           # d <= 64 (~10 s)
     .venv/bin/python benchmarks/bench_vector.py --plot docs/img/vector_scaling.png --json rows.json
 
-measured on this machine: (filled in below)
+measured on this machine (2 cores, sharing them with the test suite; 1 seed; R = the aimed maps of refine.py;
+(128, 2) was stopped after 10 minutes, head_dim 64 makes the core fit 4,096 unknowns per head; (512, 16) and
+(1024, 16) not run at the session's end):
+
+        d   H   dh seed queries     A      B     C     R heads     sec    wall    W err    c err    O err fidelity info lim
+       32   4    8    0     811    42    336   265   168     4     0.9     1.1 1.1e-14 8.8e-16 2.7e-15 7.2e-14     39.9
+       64   4   16    0    1171    74    528   209   360     4     6.8     6.8 2.7e-14 2.4e-15 4.2e-15 1.4e-13     71.9
+      128   4   32    0    2178   138   1064   232   744     4    70.5    70.5 2.4e-14 2.3e-15 3.5e-15 1.5e-13    132.1
+      128   8   16    0    2971   138   1216   417  1200     8    39.9    40.0 3.4e-14 2.6e-15 3.8e-15 1.3e-13    166.5
+      128  16    8    0    4403   138   1216  1033  2016    16    41.4    41.5 1.0e-13 1.3e-14 2.1e-14 4.5e-13    191.9
+      256  16   16    0    7371   266   1960   825  4320    16   123.1   123.8 4.9e-14 4.1e-15 5.0e-15 2.0e-13    367.2
 """
 
 from __future__ import annotations
@@ -33,8 +44,8 @@ from headthief.extraction.vector import extract_vector
 from headthief.models.mha import random_layer
 from headthief.oracles.base import ModelOracle
 
-CASES = [(d, 4) for d in (32, 64, 128)] + [(128, H) for H in (2, 8, 16)] + [(256, 16)]  # (d, H)
-CASES_BIG = [(256, 4), (512, 16), (1024, 16)]     # head_dim >= 64 or d >= 512: minutes each (see the docstring)
+CASES = [(d, 4) for d in (32, 64, 128)] + [(128, H) for H in (8, 16)] + [(256, 16)]  # (d, H)
+CASES_BIG = [(128, 2), (256, 4), (512, 16), (1024, 16)]     # head_dim >= 64 or d >= 512: minutes each (see the docstring)
 
 
 def dof(d: int, H: int) -> int:
