@@ -164,7 +164,7 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     if refine:
         # aimed maps: the recovered score gradients choose every head's side and the safe directions (:mod:`.refine`)
         Wm = np.stack([a @ b.T for a, b in zip(sc.A, sc.B)])
-        meas, q_ref, info = directed_maps(oracle, Wm, sc.C, aff.rel_noise, rng, b=aff.b, progress=progress)
+        meas, q_ref, info = directed_maps(oracle, Wm, sc.C, aff.rel_noise, rng, progress=progress)
         refined = {"refine_queries": q_ref, **info}
         O_new = solve_directed(meas, aff.M, sp.noise_M, len(O), r) if meas else None
         if O_new is not None:

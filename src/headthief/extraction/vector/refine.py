@@ -32,7 +32,7 @@ MODEL_ERR = 2e-2      # relative error of the recovered score gradients assumed 
 
 
 def directed_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, rel_noise: float, rng: np.random.Generator, *,
-                  maps: int | None = None, b: np.ndarray | None = None, progress=None) -> tuple[list, int, dict]:
+                  maps: int | None = None, progress=None) -> tuple[list, int, dict]:
     """Aimed maps (see the module): a list of ``(sel, P, JP, noise)`` with P (d, k) orthonormal directions,
     JP (d_out, k) the measured ``O_S P`` and noise the rms error of one of its entries; the queries sent;
     what was chosen (token length, perturbation length)."""
@@ -102,20 +102,15 @@ def _patterns(H: int, maps: int, rng: np.random.Generator, candidates: int = 256
     return rows
 
 
-def solve_directed(meas, M: np.ndarray, noise_M: float, H: int, r: int, extra=()) -> np.ndarray | None:
+def solve_directed(meas, M: np.ndarray, noise_M: float, H: int, r: int) -> np.ndarray | None:
     """``O_h`` (H, d_out, d) by weighted least squares over every measured direction: a map's column
     ``O_S p = sum_h sel_h O_h p`` is one row ``kron(sel, p)`` of the design for the stacked ``O_h^T``; M's
-    columns are rows ``kron(1, e_i)``; ``extra`` (sel, J, noise) whole maps (stage B's). Each O_h is then cut
-    to rank r. None where the design does not have full column rank."""
+    columns are rows ``kron(1, e_i)``. Each O_h is then cut to rank r. None where the design does not have full column rank."""
     d_out, d = M.shape
     A, Bv = [], []
     sd_M = noise_M / np.sqrt(d_out)
     A.append(np.kron(np.ones((1, H)), np.eye(d)) / sd_M)
     Bv.append(M.T / sd_M)
-    for sel, J, nz in extra:
-        sd = nz / np.sqrt(d_out)
-        A.append(np.kron(sel[None], np.eye(d)) / sd)
-        Bv.append(J.T / sd)
     for sel, P, JP, nz in meas:
         A.append(np.kron(sel[None], P.T) / nz)
         Bv.append(JP.T / nz)
@@ -131,20 +126,3 @@ def solve_directed(meas, M: np.ndarray, noise_M: float, H: int, r: int, extra=()
         U, s, Vt = np.linalg.svd(Ofull[h], full_matrices=False)
         out.append((U[:, :r] * s[:r]) @ Vt[:r])
     return np.stack(out)
-
-
-def solve_output_maps(rows, mats, noises, r: int) -> tuple[np.ndarray | None, int]:
-    """``O_h`` (H, d_out, d) from maps ``mats[k] = sum_h rows[k][h] O_h`` by least squares weighted by
-    1 / noise, each cut to rank r; None where the selections do not have full column rank."""
-    w = 1.0 / np.maximum(np.asarray(noises, dtype=float), 1e-300)
-    S = np.asarray(rows, dtype=float) * w[:, None]
-    H = S.shape[1]
-    rank = int(np.linalg.matrix_rank(S))
-    if rank < H:
-        return None, rank
-    O = np.einsum("hk,kij->hij", np.linalg.pinv(S), np.stack(mats) * w[:, None, None])
-    out = []
-    for h in range(H):
-        U, s, Vt = np.linalg.svd(O[h], full_matrices=False)
-        out.append((U[:, :r] * s[:r]) @ Vt[:r])
-    return np.stack(out), rank

@@ -45,9 +45,7 @@ class Spaces:
     idempotency: float    # worst distance of a split part's eigenvalues from 0 or 1
     history: list = field(default_factory=list)
     maps_used: tuple = ()  # (J, P, noise, (u, v, basis, position)) of every clean map: J = O_S measured, P the
-    noise_M: float = 0.0   # projector onto its heads' spaces, noise the spectral norm of J's error; noise_M: M's
-    rho: float = 0.0       # the token length the maps were taken at
-    noise_unit: float = 0.0  # spectral norm of a map's error times the perturbation's length, at that length
+    noise_M: float = 0.0   # projector onto its heads' spaces, noise the spectral norm of J's error; noise_M: M's (same)
 
 
 def _rank(M: np.ndarray, rel_noise: float) -> tuple[np.ndarray, int, np.ndarray]:
@@ -220,8 +218,7 @@ def head_spaces(oracle: Oracle, aff: Affine, rng: np.random.Generator, *, heads:
                               f"{maps} saturated maps ({queries} queries); give --heads H, or more --budget")
     bases = tuple(Ub @ B for B in parts)
     return Spaces(bases=bases, rank=r, maps=maps, rejected=rejected, queries=queries, idempotency=worst,
-                  history=history, maps_used=tuple((J, Ub @ P @ Ub.T, nz, at) for J, P, nz, at in used), noise_M=noise_M,
-                  rho=float(rho), noise_unit=float(np.sqrt(2.0) * sigma * spec * max(rho / token_scale(dI, R), 1.0)))
+                  history=history, maps_used=tuple((J, Ub @ P @ Ub.T, nz, at) for J, P, nz, at in used), noise_M=noise_M)
 
 
 def _leak(at, sel, W, c, O) -> np.ndarray:
@@ -246,7 +243,7 @@ def _leak(at, sel, W, c, O) -> np.ndarray:
     return out @ np.linalg.inv(basis)
 
 
-def output_maps(sp: Spaces, M: np.ndarray, model=None, extra=()) -> tuple[np.ndarray, int]:
+def output_maps(sp: Spaces, M: np.ndarray, model=None) -> tuple[np.ndarray, int]:
     """Every head's ``O_h`` (H, d_out, d) and the rank of the selection design used.
 
     Each clean map is a measured ``O_S = sum_{h in S} O_h`` whose heads S are read off its projector, and
@@ -255,8 +252,7 @@ def output_maps(sp: Spaces, M: np.ndarray, model=None, extra=()) -> tuple[np.nda
     not enter); each is then cut to its rank. Otherwise ``O_h = P_h M`` with ``P_h`` the oblique projector
     onto ``S_h`` along the other heads' spaces. ``model`` (W, c, O) in the heads' order: each map is first
     cleared of what the not-wholly-saturated heads add to it under that model (float32 layers: a head
-    20 logits from the switch still adds ~1e-4 through the long tokens; see :func:`_leak`). ``extra``:
-    further maps (J, selection, noise), the precise ones of :mod:`.refine`."""
+    20 logits from the switch still adds ~1e-4 through the long tokens; see :func:`_leak`)."""
     bases = sp.bases
     H = len(bases)
     r = bases[0].shape[1]
@@ -270,14 +266,26 @@ def output_maps(sp: Spaces, M: np.ndarray, model=None, extra=()) -> tuple[np.nda
         rows.append(np.round(sel))
         mats.append(J)
         wts.append(1.0 / max(nz, 1e-300))
-    for J, sel, nz in extra:
-        rows.append(sel)
-        mats.append(J)
-        wts.append(1.0 / max(nz, 1e-300))
-    from .refine import solve_output_maps
     O, rank = solve_output_maps(rows, mats, [1.0 / w for w in wts], r)
     if O is not None:
         return O, rank
     Ball = np.hstack(bases)
     Binv = np.linalg.pinv(Ball)
     return np.stack([bases[h] @ (Binv[h * r:(h + 1) * r] @ M) for h in range(H)]), rank
+
+
+def solve_output_maps(rows, mats, noises, r: int) -> tuple[np.ndarray | None, int]:
+    """``O_h`` (H, d_out, d) from maps ``mats[k] = sum_h rows[k][h] O_h`` by least squares weighted by
+    1 / noise, each cut to rank r; None where the selections do not have full column rank."""
+    w = 1.0 / np.maximum(np.asarray(noises, dtype=float), 1e-300)
+    S = np.asarray(rows, dtype=float) * w[:, None]
+    H = S.shape[1]
+    rank = int(np.linalg.matrix_rank(S))
+    if rank < H:
+        return None, rank
+    O = np.einsum("hk,kij->hij", np.linalg.pinv(S), np.stack(mats) * w[:, None, None])
+    out = []
+    for h in range(H):
+        U, s, Vt = np.linalg.svd(O[h], full_matrices=False)
+        out.append((U[:, :r] * s[:r]) @ Vt[:r])
+    return np.stack(out), rank
