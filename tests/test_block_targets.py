@@ -104,19 +104,19 @@ def test_gelu_is_exact_erf_form():
 # ----------------------------------------------------------------------------- the real block
 
 
-@pytest.mark.parametrize("layer", [1, 2, 6])
+@pytest.mark.parametrize("layer", [0, 2, 5])
 def test_minilm_block_float64_matches_the_packaged_bertlayer(layer):
     """The numpy block (weights read from the checkpoint) against transformers' own layer of the packaged
     BertModel, both in float64: the same mathematics to float64 rounding."""
     torch = torch_modules()
     from headthief.models.torch_modules import load_minilm_hf
-    module = copy.deepcopy(load_minilm_hf().encoder.layer[layer - 1]).double()
+    module = copy.deepcopy(load_minilm_hf().encoder.layer[layer]).double()
     block = from_minilm(layer, dtype=np.float64)
-    prev = from_minilm(layer - 1) if layer > 1 else None
+    prev = from_minilm(layer - 1) if layer > 0 else None
     g, b = (prev.ln2_gamma, prev.ln2_beta) if prev else (None, None)
     X = ln_image(np.random.default_rng(layer), (6, 10, D), g, b)
     assert rel(block.forward(X), run(module, X, torch)) <= tol(np.float64, FFN)
-    assert block.info["checkpoint_prefix"] == f"encoder.layer.{layer - 1}."
+    assert block.info["checkpoint_prefix"] == f"encoder.layer.{layer}."
 
 
 def test_minilm_block_and_hf_targets_agree():
@@ -227,12 +227,12 @@ def test_bert_block_target_and_model_oracle_counts():
     ("bert-block:d=32,heads=4,ffn=8,output=last", "unknown option"),
     ("bert-block:d=32,heads=4,ffn=8,dtype=float16", "dtype"),
     ("bert-block:d=32,heads=4,ffn=8,act=tanh", "act="),
-    ("minilm-block:layer=0", "blocks 1..6"),
-    ("minilm-block:layer=7", "blocks 1..6"),
+    ("minilm-block:layer=-1", "blocks 0..5"),
+    ("minilm-block:layer=6", "blocks 0..5"),
     ("minilm-block:layer=x", "not an integer"),
     ("minilm-block", "layer= is required"),
     ("minilm-block:layer=2,head=3", "unknown option"),
-    ("minilm-block-hf:layer=0", "blocks 1..6"),
+    ("minilm-block-hf:layer=6", "blocks 0..5"),
     ("minilm-block-hf:layer=2,readout=1", "unknown option"),
     ("minilm-encoder:hidden=first", "hidden="),
     ("minilm-encoder:layer=2", "unknown option"),

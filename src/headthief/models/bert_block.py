@@ -28,9 +28,9 @@ answering per position either the concatenation ``[h_0, h_1, ..., h_L]`` (``hidd
 last axis) or ``h_L`` only (``hidden="last"``, d_out = d: ``last_hidden_state``). Sequences longer than
 the position table (512 for all-MiniLM-L6-v2) are refused.
 
-Blocks are numbered 1..6 in :func:`from_minilm` (block L maps ``hidden_states[L-1]`` to
-``hidden_states[L]``; its weights are ``encoder.layer.{L-1}.*`` in the checkpoint). Note that the
-attention-only kinds (``minilm:``, ``minilm-layer:``) number the same layers 0..5.
+Blocks are numbered 0..5 in :func:`from_minilm`, as the attention-only kinds (``minilm:``,
+``minilm-layer:``) number them: block L is ``encoder.layer.{L}.*`` in the checkpoint and maps
+``hidden_states[L]`` to ``hidden_states[L+1]``.
 """
 
 from __future__ import annotations
@@ -271,9 +271,9 @@ def _check_block_layer(layer) -> int:
     from .minilm import N_LAYERS
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer must be an integer, got {layer!r}")
-    if not 1 <= int(layer) <= N_LAYERS:
-        raise ValueError(f"layer must be in 1..{N_LAYERS} (block L maps hidden_states[L-1] to hidden_states[L]), "
-                         f"got {layer}")
+    if not 0 <= int(layer) < N_LAYERS:
+        raise ValueError(f"layer must be in 0..{N_LAYERS - 1} (block L is encoder.layer.L and maps hidden_states[L] "
+                         f"to hidden_states[L+1]), got {layer}")
     return int(layer)
 
 
@@ -298,15 +298,15 @@ def _minilm_tensors() -> dict[str, np.ndarray]:
 
 
 def from_minilm(layer: int, *, output="all", dtype=np.float32) -> BertBlock:
-    """Block ``layer`` (1..6) of all-MiniLM-L6-v2 from the packaged weights (``encoder.layer.{layer-1}.*``).
+    """Block ``layer`` (0..5) of all-MiniLM-L6-v2 from the packaged weights (``encoder.layer.{layer}.*``).
 
     ``dtype=np.float32`` (default) evaluates as the real model does; ``np.float64`` gives the mapping of
     the same float32 weights without rounding."""
     from .minilm import MODEL_NAME, N_HEADS
     layer = _check_block_layer(layer)
-    return BertBlock.from_state_dict(_minilm_tensors(), N_HEADS, prefix=f"encoder.layer.{layer - 1}.", output=output,
+    return BertBlock.from_state_dict(_minilm_tensors(), N_HEADS, prefix=f"encoder.layer.{layer}.", output=output,
                                      dtype=dtype, info={"model": MODEL_NAME, "layer": layer,
-                                                        "checkpoint_prefix": f"encoder.layer.{layer - 1}."})
+                                                        "checkpoint_prefix": f"encoder.layer.{layer}."})
 
 
 @dataclass(frozen=True, eq=False)
@@ -401,7 +401,7 @@ def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:
     """all-MiniLM-L6-v2's encoder (embeddings' LayerNorm + 6 blocks) from the packaged weights."""
     from .minilm import MODEL_NAME, N_LAYERS
     t = _minilm_tensors()
-    blocks = tuple(from_minilm(L, dtype=dtype) for L in range(1, N_LAYERS + 1))
+    blocks = tuple(from_minilm(L, dtype=dtype) for L in range(N_LAYERS))
     return Encoder(position=t["embeddings.position_embeddings.weight"],
                    token_type=t["embeddings.token_type_embeddings.weight"][0],
                    ln_gamma=t["embeddings.LayerNorm.weight"], ln_beta=t["embeddings.LayerNorm.bias"],

