@@ -1,0 +1,96 @@
+"""Stage L of the block method: the output LayerNorm's gamma and beta from the answers alone.
+
+Every answer of a post-LN block is ``y = gamma * n + beta`` with ``n = (u - mean u) / std(u)``, so
+``mean(n) = 0`` and ``|n|^2 = d`` (up to LayerNorm's eps: ``d var / (var + eps)``). Two facts follow
+(the same ellipsoid fit the logit-vector attacks on production language models use for a final norm):
+
+* **a hyperplane**: ``sum_j (y_j - beta_j) / gamma_j = 0``, i.e. ``a . y = k`` for every answer with
+  ``a = 1 / gamma`` (up to scale) and ``k = a . beta``: ``a`` is the smallest right singular vector of the
+  centred answers;
+* **an ellipsoid inside it**: ``sum_j a_j^2 (y_j - beta_j)^2 = d s^2`` is linear in ``v = a^2 beta`` and
+  one constant: a least-squares fit over the answers, with the one direction the hyperplane leaves
+  free (``v + alpha a``) fixed by ``a . beta = k``.
+
+Together they give gamma up to one global sign (a genuine symmetry of the whole block: negating gamma_2
+is undone by negating z + FFN(z), i.e. gamma_1, beta_1, W_1, W_2, b_2) and beta exactly; the sign is
+fixed by ``sum(gamma) > 0``. Any ``d + 2`` answers in general position suffice; every position of every
+query is one. The two fits' residuals are the model check of this stage: answers that do not lie on a
+(d - 2)-dimensional ellipsoid did not come out of a LayerNorm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ModelMismatch, NotIdentifiable
+
+PLANE_LIMIT = 1e-3   # relative distance of the answers from their best hyperplane: beyond it, no final LayerNorm
+
+
+@dataclass(frozen=True)
+class OutputLayerNorm:
+    """A recovered output LayerNorm: ``gamma``, ``beta`` (d,), with the fit's own precision."""
+
+    gamma: np.ndarray
+    beta: np.ndarray
+    plane_residual: float    # rms of a.y - k over the answers, relative to rms |a| |y - mean y| / sqrt(d)
+    sphere_residual: float   # rms of |n|^2 / d - 1 over the answers
+    answers: int
+
+    @property
+    def d(self) -> int:
+        return int(self.gamma.shape[0])
+
+    def normalized(self, Y: np.ndarray) -> np.ndarray:
+        """``n = (y - beta) / gamma`` for answers ``Y`` (..., d): the normalised ``u`` under the LayerNorm."""
+        return (np.asarray(Y, dtype=np.float64) - self.beta) / self.gamma
+
+
+def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
+    """gamma and beta of the LayerNorm that produced the answers ``Y`` (k, d), k >= d + 2 in general
+    position (see the module docstring). Raises :class:`NotIdentifiable` for too few or degenerate
+    answers and :class:`ModelMismatch` when the answers do not lie on a hyperplane's ellipsoid."""
+    Y = np.asarray(Y, dtype=np.float64)
+    if Y.ndim != 2:
+        raise ValueError(f"answers must be a (k, d) array, got shape {Y.shape}")
+    k, d = Y.shape
+    if d < 3:
+        raise NotIdentifiable(f"a LayerNorm over d={d} < 3 coordinates leaves no ellipsoid to fit")
+    if k < d + 2:
+        raise NotIdentifiable(f"fitting a LayerNorm over d={d} needs at least d + 2 = {d + 2} answers, got {k}")
+    mu = Y.mean(axis=0)
+    C = Y - mu
+    _, sv, Vt = np.linalg.svd(C, full_matrices=False)
+    if sv[-2] <= 1e-9 * sv[0]:
+        raise NotIdentifiable(f"the {k} answers span fewer than d - 1 = {d - 1} directions: they do not fix the "
+                              "LayerNorm (use more varied queries)")
+    a = Vt[-1]
+    a = a * np.sign(a.sum()) if a.sum() != 0 else a
+    spread = float(np.sqrt(np.mean(C ** 2)))
+    plane = float(sv[-1] / np.sqrt(k)) / max(spread, 1e-300)
+    if plane > PLANE_LIMIT:
+        raise ModelMismatch(
+            f"the answers are not on a hyperplane (relative distance {plane:.3g} > {PLANE_LIMIT:g}): a LayerNorm's "
+            "outputs satisfy sum((y - beta) / gamma) = 0; this target has no LayerNorm at its output",
+            check="output-layernorm", figure=plane, threshold=PLANE_LIMIT)
+    kk = float(mu @ a)
+    # sum_j a_j^2 y_j^2 = 2 v.y - c  with v = a^2 beta, c = sum a^2 beta^2 - d s^2
+    A = np.hstack([2.0 * Y, -np.ones((k, 1))])
+    rhs = (Y ** 2) @ (a ** 2)
+    sol, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+    vp, cp = sol[:d], sol[d]
+    if np.min(np.abs(a)) <= 1e-12 * np.max(np.abs(a)):
+        raise NotIdentifiable("a coordinate of 1/gamma is zero: that output coordinate is constant (gamma = inf?)")
+    alpha = (kk - float(np.sum(vp / a))) / d
+    beta = vp / a ** 2 + alpha / a
+    c = cp + 2.0 * alpha * kk
+    s2 = (float(np.sum(a ** 2 * beta ** 2)) - c) / d
+    if not s2 > 0:
+        raise ModelMismatch("the answers' ellipsoid has a non-positive radius: not a LayerNorm's output",
+                            check="output-layernorm", figure=s2, threshold=0.0)
+    gamma = np.sqrt(s2) / a
+    n = (Y - beta) / gamma
+    sphere = float(np.sqrt(np.mean((np.sum(n ** 2, axis=1) / d - 1.0) ** 2)))
+    return OutputLayerNorm(gamma=gamma, beta=beta, plane_residual=plane, sphere_residual=sphere, answers=k)

@@ -1,0 +1,143 @@
+"""Stage V of the block method: the attention's summed value-output map from Jacobians.
+
+For one token the block's attention is affine: ``pre(x) = x + W_O attn(x) + b_O = B x + b`` with
+``B = I + sum_h O_h V_h`` and ``b = W_O b_V + b_O``, and everything after it is one position-wise map
+``Phi`` (LN1, the FFN and its residual, LN2): a one-token answer is ``Psi(x) = Phi(B x + b)``. For a
+sequence of N equal tokens every head's weights are uniform and sum to one, so the Jacobian of the answer
+at position i with respect to token j is ``J_Phi (delta_ij I + (B - I) / N)``. With N = 2:
+
+    J_self - J_cross = J_Phi = J_Psi B^{-1}.
+
+``J_Psi`` and ``J_self``, ``J_cross`` are measured by finite differences (a five-point stencil: d-vectors
+of answers, 4 d one-token and 4 d two-token queries per base token). ``J_Psi`` has rank d - 2: LN1 makes
+``Psi`` blind to ``B^{-1} 1`` (a shift of pre along the ones) and to ``x + B^{-1} b`` (a scale of pre), so
+one base token fixes ``B^{-1}`` only off a two-dimensional null space; the null spaces of a few base tokens
+differ in ``x + B^{-1} b`` and share ``c1 = B^{-1} 1``, so their least-squares union fixes ``B^{-1}`` up
+to ``c1 q^T``, i.e. ``B`` up to ``1 r^T``: exactly LN1's symmetry (a ones-vector added to pre).
+The null spaces also give ``c0 = B^{-1} b`` (``x_t + c0`` lies in the null space at ``x_t``), hence
+``b = B c0`` up to the ones-vector.
+
+What this stage recovers, and how it is compared: ``P B`` and ``P b`` with ``P = I - 1 1^T / d``
+(the ones-component is LN1's to ignore), exact up to the finite differences' truncation and the answers'
+rounding. The least-squares residual across base tokens is this stage's model check: a target in which
+one token's answers are not ``Phi(B x + b)`` for one B (two blocks, positions inside the block) leaves
+Jacobians no single B explains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ModelMismatch, NotIdentifiable, SpecError
+from ...oracles.answers import Output
+from ...oracles.base import Oracle
+
+BASES = 3              # base tokens (at least 2 to fix B^{-1} off the ones direction)
+STENCIL = (-2, -1, 1, 2)
+WEIGHTS = np.array([1.0, -8.0, 8.0, -1.0]) / 12.0
+CONSISTENCY = 1e3      # the union's residual may exceed the stencil's expected error by this before it is a mismatch
+
+
+@dataclass(frozen=True)
+class ValueSum:
+    """``B`` (d, d) and ``b`` (d,) with their ones-components removed (``P B``, ``P b``), ``c1`` = the unit
+    vector along ``B^{-1} 1``, ``c0 = B^{-1} b`` (orthogonal to c1), and the stage's figures."""
+
+    B: np.ndarray
+    b: np.ndarray
+    c0: np.ndarray
+    c1: np.ndarray
+    residual: float        # relative residual of the stacked Jacobian equations (model check)
+    expected: float        # the stencil's expected relative error at this step and precision
+    step: float
+    queries: int
+
+
+def centre(A: np.ndarray) -> np.ndarray:
+    """``P A`` with ``P = I - 1 1^T / d``: the ones-component along the first axis removed."""
+    A = np.asarray(A, dtype=np.float64)
+    return A - A.mean(axis=0, keepdims=True)
+
+
+def _stencil_tokens(x: np.ndarray, Qb: np.ndarray, h: float) -> np.ndarray:
+    """(4 d, d): x + k h q for every direction q (rows of Qb) and k in STENCIL, direction-major."""
+    return (x[None, None, :] + h * np.asarray(STENCIL, float)[None, :, None] * Qb[:, None, :]).reshape(-1, x.size)
+
+
+def _derivative(Y: np.ndarray, d: int, h: float) -> np.ndarray:
+    """The stencil's derivative from answers (4 d, d_out) ordered as :func:`_stencil_tokens`: (d_out, d)."""
+    Y = Y.reshape(d, len(STENCIL), -1)
+    return np.einsum("k,jko->oj", WEIGHTS, Y) / h
+
+
+def jacobians(oracle: Oracle, x: np.ndarray, Qb: np.ndarray, h: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``J_Psi``, ``J_self``, ``J_cross`` at base token x (each (d_out, d), in the coordinates of Qb's rows
+    rotated back), and the queries spent."""
+    d = x.size
+    T = _stencil_tokens(x, Qb, h)
+    one = np.asarray(oracle.query_packed(T[:, None, :]))
+    J_psi = _derivative(one, d, h) @ Qb
+    base = np.broadcast_to(x, T.shape)
+    if oracle.output is Output.ALL:
+        Y = np.asarray(oracle.query(np.stack([T, base], axis=1)))        # (4d, 2, d_out)
+        J_self = _derivative(Y[:, 0], d, h) @ Qb
+        J_cross = _derivative(Y[:, 1], d, h) @ Qb
+        q = 2 * len(T)
+    else:                                                                # the last position only
+        J_cross = _derivative(np.asarray(oracle.query_packed(np.stack([T, base], axis=1))), d, h) @ Qb
+        J_self = _derivative(np.asarray(oracle.query_packed(np.stack([base, T], axis=1))), d, h) @ Qb
+        q = 3 * len(T)
+    return J_psi, J_self, J_cross, q
+
+
+def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, scale: float | None = None,
+              bases: int = BASES) -> ValueSum:
+    """Stage V (see the module docstring). ``precision`` is the answers' relative precision (e.g. the
+    output LayerNorm fit's sphere residual); ``scale`` the base tokens' norm (default sqrt(d))."""
+    if not oracle.output.vector:
+        raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    if bases < 2:
+        raise ValueError(f"need at least 2 base tokens, got {bases}")
+    d = oracle.d
+    s = float(np.sqrt(d)) if scale is None else float(scale)
+    eps = max(float(precision), 1e-16)
+    h = s * eps ** 0.2 / np.sqrt(d)                     # balances rounding (eps / h) and truncation (h^4)
+    expected = eps ** 0.8 * np.sqrt(d)
+    rows, rhs, nrows, nrhs = [], [], [], []
+    q = 0
+    for _ in range(bases):
+        x = rng.standard_normal(d)
+        x *= s / np.linalg.norm(x)
+        Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
+        J_psi, J_self, J_cross, qq = jacobians(oracle, x, Qb, h)
+        q += qq
+        U, S, Vt = np.linalg.svd(J_psi, full_matrices=True)
+        if S[d - 3] <= 1e3 * expected * S[0]:
+            raise NotIdentifiable(f"the one-token Jacobian has rank < d - 2 (singular values {S[d - 3]:.3g} ... "
+                                  f"{S[0]:.3g}): this block's one-token answers do not determine its value-output map")
+        R = Vt[:d - 2]                                  # row space of J_Psi
+        D = J_self - J_cross
+        rows.append(R)
+        rhs.append((U[:, :d - 2].T @ D) / S[:d - 2, None])
+        nrows.append(R)
+        nrhs.append(-R @ x)
+    A = np.vstack(rows)
+    Xinv, *_ = np.linalg.lstsq(A, np.vstack(rhs), rcond=None)     # B^{-1} - c1 (c1^T B^{-1}) (min norm)
+    res = float(np.linalg.norm(A @ Xinv - np.vstack(rhs)) / max(np.linalg.norm(np.vstack(rhs)), 1e-300))
+    _, Sa, Va = np.linalg.svd(A, full_matrices=True)
+    c1 = Va[-1]
+    c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
+    if res > CONSISTENCY * expected:
+        raise ModelMismatch(
+            f"the Jacobians at {bases} base tokens are not J_Phi (delta_ij I + (B - I)/2) for one value-output map B "
+            f"(relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): this target is not one "
+            "post-LN block (two blocks? positions inside the block?)", check="value-sum", figure=res,
+            threshold=CONSISTENCY * expected)
+    X = Xinv + np.outer(c1, np.ones(d)) * (np.linalg.norm(Xinv, 2) / np.sqrt(d))
+    B = np.linalg.inv(X)
+    c0, *_ = np.linalg.lstsq(np.vstack(nrows), np.concatenate(nrhs), rcond=None)
+    c0 = c0 - c1 * (c1 @ c0)
+    return ValueSum(B=centre(B), b=centre(B @ c0), c0=c0, c1=c1, residual=res, expected=float(expected), step=float(h),
+                    queries=q)

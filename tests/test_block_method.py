@@ -1,0 +1,159 @@
+"""The block method's stages built so far (issue 19): the output LayerNorm (stage L), the summed
+value-output map (stage V) and the activation check, against the truth of random and real blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from headthief.errors import ModelMismatch, NotIdentifiable, SpecError
+from headthief.extraction.block import centre, check_smooth_activation, fit_output_layernorm, value_sum
+from headthief.models.bert_block import random_block
+from headthief.models.mha import _assemble, _groups
+from headthief.oracles.answers import Output
+from headthief.oracles.base import ModelOracle
+
+D, H, FFN = 32, 4, 128
+
+
+def value_output_sum(block):
+    """The truth of stage V: P B and P b with B = I + W_O V (all heads), b = W_O b_V + b_O."""
+    a = block.attention
+    d = block.d
+    B = np.eye(d) + a.Wo.astype(float) @ a.V.reshape(d, d).astype(float)
+    b = a.Wo.astype(float) @ a.bv.reshape(d).astype(float) + a.bo
+    return centre(B), centre(b)
+
+
+def answers(block, seed, k=4, N=20):
+    X = np.random.default_rng(seed).standard_normal((k, N, block.d))
+    return block.forward(X).reshape(-1, block.d)
+
+
+# ----------------------------------------------------------------------------- stage L
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_output_layernorm_is_exact_in_float64(seed):
+    block = random_block(D, H, FFN, seed=seed)
+    ln = fit_output_layernorm(answers(block, seed))
+    scale = np.max(np.abs(block.ln2_gamma))
+    assert np.max(np.abs(ln.gamma - block.ln2_gamma)) <= 1e-9 * scale
+    assert np.max(np.abs(ln.beta - block.ln2_beta)) <= 1e-9 * scale
+    assert ln.sphere_residual <= 1e-12 and ln.answers == 80
+    n = ln.normalized(answers(block, seed + 100))                       # fresh answers: mean 0, norm sqrt(d)
+    assert np.max(np.abs(n.mean(axis=1))) <= 1e-10
+    assert np.max(np.abs(np.linalg.norm(n, axis=1) - np.sqrt(D))) <= 1e-9
+
+
+def test_output_layernorm_float32_within_its_own_precision():
+    block = random_block(D, H, FFN, seed=14, dtype=np.float32)
+    ln = fit_output_layernorm(answers(block, 14))
+    scale = np.max(np.abs(block.ln2_gamma))
+    assert 1e-9 < ln.sphere_residual < 1e-5                              # float32 rounding, measured
+    bound = 1e3 * ln.sphere_residual * scale
+    assert np.max(np.abs(ln.gamma - block.ln2_gamma)) <= bound
+    assert np.max(np.abs(ln.beta - block.ln2_beta)) <= bound
+
+
+def test_answers_without_a_final_layernorm_are_a_mismatch():
+    block = random_block(D, H, FFN, seed=15)
+    tr = block.trace(np.random.default_rng(15).standard_normal((4, 20, D)))
+    u = (tr["z"] + tr["f"]).reshape(-1, D)                              # the block before its LN2
+    with pytest.raises(ModelMismatch, match="not on a hyperplane") as e:
+        fit_output_layernorm(u)
+    assert e.value.check == "output-layernorm"
+
+
+def test_output_layernorm_bad_input():
+    block = random_block(D, H, FFN, seed=16)
+    with pytest.raises(NotIdentifiable, match="at least d \\+ 2 = 34 answers"):
+        fit_output_layernorm(answers(block, 16)[:33])
+    with pytest.raises(ValueError, match="\\(k, d\\) array"):
+        fit_output_layernorm(np.zeros(10))
+    Y = answers(block, 16)
+    with pytest.raises(NotIdentifiable, match="fewer than d - 1"):
+        fit_output_layernorm(np.vstack([Y[:3]] * 20))                   # 60 answers, 3 distinct
+
+
+# ----------------------------------------------------------------------------- stage V
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_value_sum_is_exact_in_float64(seed):
+    block = random_block(D, H, FFN, seed=seed)
+    vs = value_sum(ModelOracle(block), np.random.default_rng(seed), precision=1e-15)
+    B, b = value_output_sum(block)
+    assert np.max(np.abs(vs.B - B)) <= 1e-9 * np.max(np.abs(B))
+    assert np.max(np.abs(vs.b - b)) <= 1e-9 * np.max(np.abs(B))
+    assert vs.queries == 3 * 8 * D                                       # 3 bases x (4d one-token + 4d pairs)
+    assert vs.residual <= 10 * vs.expected                              # at the stencil's error, far from a mismatch
+
+
+def test_value_sum_from_the_last_position_only():
+    block = random_block(D, H, FFN, seed=23).with_output("last")
+    oracle = ModelOracle(block)
+    vs = value_sum(oracle, np.random.default_rng(23), precision=1e-15)
+    B, _ = value_output_sum(block)
+    assert np.max(np.abs(vs.B - B)) <= 1e-9 * np.max(np.abs(B))
+    assert vs.queries == oracle.queries == 3 * 12 * D
+
+
+def test_value_sum_float32_within_the_stencils_error():
+    block = random_block(D, H, FFN, seed=24, dtype=np.float32)
+    ln = fit_output_layernorm(answers(block, 24))
+    vs = value_sum(ModelOracle(block), np.random.default_rng(24), precision=ln.sphere_residual)
+    B, b = value_output_sum(block)
+    assert np.max(np.abs(vs.B - B)) <= 20 * vs.expected * np.max(np.abs(B))
+    assert np.max(np.abs(vs.b - b)) <= 20 * vs.expected * np.max(np.abs(B))
+
+
+class _Stack:
+    """Two blocks given as one black box (the wrong model class for the block method)."""
+
+    output = Output.ALL
+
+    def __init__(self, first, second):
+        self.first, self.second, self.d, self.d_out = first, second, first.d, first.d
+
+    def evaluate(self, batch):
+        return _assemble(self.output, batch,
+                         [(i, self.second.forward(self.first.forward(A))) for i, A in _groups(batch)], self.d)
+
+
+def test_two_blocks_as_one_are_a_mismatch():
+    stack = _Stack(random_block(D, H, FFN, seed=25), random_block(D, H, FFN, seed=26))
+    with pytest.raises(ModelMismatch, match="not one post-LN block") as e:
+        value_sum(ModelOracle(stack), np.random.default_rng(25), precision=1e-15)
+    assert e.value.check == "value-sum" and e.value.figure > 1e3 * 1e-9
+
+
+def test_value_sum_bad_input():
+    from headthief.targets import resolve
+    scalar = resolve("random:d=8,seed=1")
+    with pytest.raises(SpecError, match="needs vector answers"):
+        value_sum(scalar.make_oracle(), np.random.default_rng(0), precision=1e-15)
+    block = random_block(D, H, FFN, seed=27)
+    with pytest.raises(ValueError, match="at least 2 base tokens"):
+        value_sum(ModelOracle(block), np.random.default_rng(0), precision=1e-15, bases=1)
+
+
+# ----------------------------------------------------------------------------- activation check
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gelu_blocks_pass_the_activation_check(dtype):
+    block = random_block(D, H, FFN, seed=31, dtype=dtype)
+    eps = 1e-15 if dtype is np.float64 else 1e-7
+    sm = check_smooth_activation(ModelOracle(block), np.random.default_rng(31), precision=eps)
+    assert sm.ratio > 2 * np.sqrt(2.0)  # well above the threshold's midpoint: 16 in theory
+    assert sm.queries == 3 * sm.points
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_relu_where_gelu_is_assumed_is_a_mismatch(dtype):
+    block = random_block(D, H, FFN, seed=32, dtype=dtype, activation="relu")
+    eps = 1e-15 if dtype is np.float64 else 1e-7
+    with pytest.raises(ModelMismatch, match="ReLU") as e:
+        check_smooth_activation(ModelOracle(block), np.random.default_rng(32), precision=eps)
+    assert e.value.check == "activation" and e.value.figure < 4
