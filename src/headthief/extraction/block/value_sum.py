@@ -37,6 +37,7 @@ from ...oracles.base import Oracle
 BASES = 3              # base tokens (at least 2 to fix B^{-1} off the ones direction)
 STENCIL = (-2, -1, 1, 2)
 WEIGHTS = np.array([1.0, -8.0, 8.0, -1.0]) / 12.0
+RANK_MARGIN = 30      # the smallest of J_Psi's d - 2 singular values must stand this far above the stencil's error
 CONSISTENCY = 1e3      # the union's residual may exceed the stencil's expected error by this before it is a mismatch
 
 
@@ -50,6 +51,7 @@ class ValueSum:
     c0: np.ndarray
     c1: np.ndarray
     residual: float        # relative residual of the stacked Jacobian equations (model check)
+    conditioning: float    # smallest of J_Psi's d - 2 singular values over the largest (worst base token)
     expected: float        # the stencil's expected relative error at this step and precision
     step: float
     queries: int
@@ -106,6 +108,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     h = s * eps ** 0.2 / np.sqrt(d)                     # balances rounding (eps / h) and truncation (h^4)
     expected = eps ** 0.8 * np.sqrt(d)
     rows, rhs, nrows, nrhs = [], [], [], []
+    cond = np.inf
     q = 0
     for _ in range(bases):
         x = rng.standard_normal(d)
@@ -114,9 +117,12 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         J_psi, J_self, J_cross, qq = jacobians(oracle, x, Qb, h)
         q += qq
         U, S, Vt = np.linalg.svd(J_psi, full_matrices=True)
-        if S[d - 3] <= 1e3 * expected * S[0]:
-            raise NotIdentifiable(f"the one-token Jacobian has rank < d - 2 (singular values {S[d - 3]:.3g} ... "
-                                  f"{S[0]:.3g}): this block's one-token answers do not determine its value-output map")
+        if S[d - 3] <= RANK_MARGIN * expected * S[0]:
+            raise NotIdentifiable(
+                f"the one-token Jacobian's smallest of d - 2 singular values ({S[d - 3] / S[0]:.3g} of the largest) is "
+                f"not {RANK_MARGIN}x above the finite differences' error ({expected:.2g}): at this answer precision the "
+                "value-output map is not determined by one-token Jacobians (a direction the block nearly ignores)")
+        cond = min(cond, float(S[d - 3] / S[0]))
         R = Vt[:d - 2]                                  # row space of J_Psi
         D = J_self - J_cross
         rows.append(R)
@@ -139,5 +145,6 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     B = np.linalg.inv(X)
     c0, *_ = np.linalg.lstsq(np.vstack(nrows), np.concatenate(nrhs), rcond=None)
     c0 = c0 - c1 * (c1 @ c0)
-    return ValueSum(B=centre(B), b=centre(B @ c0), c0=c0, c1=c1, residual=res, expected=float(expected), step=float(h),
+    return ValueSum(B=centre(B), b=centre(B @ c0), c0=c0, c1=c1, residual=res, conditioning=cond,
+                    expected=float(expected), step=float(h),
                     queries=q)
