@@ -201,3 +201,5 @@ from . import real  # noqa: E402,F401
 from . import transformer as _transformer  # noqa: E402,F401
 # Whole BERT blocks and the MiniLM encoder (bert-block:, minilm-block:, minilm-block-hf:, minilm-encoder:).
 from . import encoder as _encoder  # noqa: E402,F401
+# Decoder attention: RoPE, grouped-query heads, causal masks (rope-mha:, llama-attn:, gpt2-attn:).
+from . import decoder as _decoder  # noqa: E402,F401
