@@ -157,3 +157,55 @@ def test_relu_where_gelu_is_assumed_is_a_mismatch(dtype):
     with pytest.raises(ModelMismatch, match="ReLU") as e:
         check_smooth_activation(ModelOracle(block), np.random.default_rng(32), precision=eps)
     assert e.value.check == "activation" and e.value.figure < 4
+
+
+# ----------------------------------------------------------------------------- the encoder's embeddings
+
+
+def _ln_image_rows(rng, k, gamma, beta):
+    n = rng.standard_normal((k, gamma.size))
+    n -= n.mean(axis=1, keepdims=True)
+    n *= np.sqrt(gamma.size) / np.linalg.norm(n, axis=1, keepdims=True)
+    return n * gamma + beta
+
+
+def test_embedding_stage_is_exact_and_steers_block_zero():
+    pytest.importorskip("safetensors")
+    from headthief.extraction.block import embedding_stage
+    from headthief.models.bert_block import minilm_encoder
+    enc = minilm_encoder("all", dtype=np.float64)
+    oracle = ModelOracle(enc)
+    e = embedding_stage(oracle, np.random.default_rng(41), length=24)
+    c = centre((enc.position[:24] + enc.token_type).T).T                # offsets modulo the ones-vector
+    assert np.max(np.abs(e.ln.gamma - enc.ln_gamma)) <= 1e-9 * np.max(np.abs(enc.ln_gamma))
+    assert np.max(np.abs(e.offsets - c)) <= 1e-9 * np.max(np.abs(c))
+    assert e.queries == oracle.queries == 17                             # ceil((384 + 2) / 24) sequences
+    H0 = _ln_image_rows(np.random.default_rng(42), 10, enc.ln_gamma, enc.ln_beta)
+    got = np.asarray(oracle.query(e.inputs_for(H0)[None]))[0, :, :384]
+    assert np.max(np.abs(got - H0)) <= 1e-9 * np.max(np.abs(H0))
+    with pytest.raises(ValueError, match="not on the embedding LayerNorm's image"):
+        e.inputs_for(H0 * 1.1)
+    with pytest.raises(Exception, match="known for 24"):
+        e.inputs_for(np.vstack([H0] * 3))
+
+
+def test_embedding_stage_through_transformers():
+    pytest.importorskip("transformers")
+    from headthief.extraction.block import embedding_stage
+    from headthief.targets import resolve
+    t = resolve("minilm-encoder:hidden=all")
+    e = embedding_stage(t.make_oracle(), np.random.default_rng(43), length=16)
+    enc = t.truth
+    c = centre((enc.position[:16] + enc.token_type).T).T
+    # float32 answers: the offsets are as precise as the stage's own least squares (relative residual
+    # over token differences of norm ~sqrt(2 d)); measured: error 3.1e-5, residual 1.1e-6 x 27.7
+    assert 1e-9 < e.residual < 1e-4
+    assert np.max(np.abs(e.offsets - c)) <= 10 * e.residual * np.sqrt(2 * 384)
+
+
+def test_a_block_is_not_an_embedding_layer():
+    from headthief.extraction.block import embedding_stage
+    block = random_block(D, H, FFN, seed=44)                             # positions mix: no per-position offset
+    with pytest.raises(ModelMismatch, match="one offset per position") as e:
+        embedding_stage(ModelOracle(block), np.random.default_rng(44), length=8)
+    assert e.value.check == "embeddings"

@@ -1,0 +1,95 @@
+"""The encoder method's first stage: BERT's embedding LayerNorm, seen through ``hidden_states[0]``.
+
+An encoder API queried with ``inputs_embeds`` (``minilm-encoder:hidden=all``) answers, at position t,
+``h_0 = LN_emb(x_t + c_t)`` among its hidden states, with ``c_t = position_embeddings[t] +
+token_type_embeddings[0]``. Everything about this stage is exact:
+
+* ``gamma_emb, beta_emb``: :func:`~headthief.extraction.block.layernorm.fit_output_layernorm` on the
+  ``h_0`` answers (they lie on LN_emb's ellipsoid);
+* ``c_t`` modulo the ones-vector (LN's symmetry): with ``n = (h_0 - beta) / gamma = normalize(x + c_t)``,
+  two or more queries with different tokens at position t give ``x_k + c_t = s_k n_k + m_k 1``; their
+  differences ``s_k n_k - s_1 n_1 + (m_k - m_1) 1 = x_k - x_1`` fix every scale ``s_k`` (least squares,
+  d equations, 2K - 1 unknowns), hence ``c_t = s_1 n_1 - x_1`` up to ``1``;
+* block 0's inputs can then be set at will: for any wanted ``h_0 = gamma n + beta`` on LN_emb's image,
+  ``x_t = r n - c_t`` gives exactly that ``h_0`` (any scale ``r > 0``): :meth:`Embeddings.inputs_for`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import InvalidQuery, ModelMismatch
+from ...oracles.base import Oracle
+from .layernorm import OutputLayerNorm, fit_output_layernorm
+
+QUERIES = 3            # sequences of random tokens; every position is seen QUERIES times
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """Recovered ``LN_emb`` (``ln``) and the offsets ``c_t`` (rows 0..P-1, ones-component removed)."""
+
+    ln: OutputLayerNorm
+    offsets: np.ndarray
+    residual: float          # relative residual of the offsets' least squares (model check)
+    queries: int
+
+    @property
+    def positions(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def inputs_for(self, H0: np.ndarray, *, scale: float | None = None) -> np.ndarray:
+        """``inputs_embeds`` (N, d) whose ``hidden_states[0]`` is ``H0`` (N, d), rows on LN_emb's image."""
+        H0 = np.asarray(H0, dtype=np.float64)
+        if H0.ndim != 2 or H0.shape[1] != self.offsets.shape[1]:
+            raise ValueError(f"H0 must be (N, {self.offsets.shape[1]}), got {H0.shape}")
+        N, d = H0.shape
+        if N > self.positions:
+            raise InvalidQuery(f"{N} positions wanted, the offsets are known for {self.positions}")
+        n = self.ln.normalized(H0)
+        off = np.max(np.abs(n.mean(axis=1))) + np.max(np.abs(np.linalg.norm(n, axis=1) / np.sqrt(d) - 1))
+        if off > 1e-6:
+            raise ValueError(f"H0 is not on the embedding LayerNorm's image (normalised rows off by {off:.2g}): "
+                             "no inputs_embeds give it")
+        r = float(np.sqrt(d)) if scale is None else float(scale)
+        return (r / np.sqrt(d)) * n - self.offsets[:N]          # |r n / sqrt(d)| = r
+
+
+def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_hidden: int | None = None,
+                    queries: int = QUERIES) -> Embeddings:
+    """Stage E (see the module docstring) from ``queries`` random sequences of ``length`` tokens, reading
+    ``hidden_states[0]`` as the first ``d_hidden`` (default d) numbers of every position's answer."""
+    d = oracle.d
+    dh = d if d_hidden is None else int(d_hidden)
+    if queries < 2:
+        raise ValueError(f"need at least 2 queries to fix the offsets, got {queries}")
+    need = (d + 2 + length - 1) // length
+    k = max(queries, need)
+    X = rng.standard_normal((k, length, d))
+    A = np.asarray(oracle.query(X))[..., :dh]                           # (k, length, d)
+    ln = fit_output_layernorm(A.reshape(-1, dh))
+    n = ln.normalized(A)                                                 # (k, length, d)
+    offsets = np.zeros((length, d))
+    worst = 0.0
+    for t in range(length):
+        # unknowns: s_1..s_k, m_2 - m_1 .. m_k - m_1; equations s_j n_j - s_1 n_1 + dm_j 1 = x_j - x_1
+        rows, rhs = [], []
+        for j in range(1, k):
+            M = np.zeros((d, 2 * k - 1))
+            M[:, 0] = -n[0, t]
+            M[:, j] = n[j, t]
+            M[:, k - 1 + j] = 1.0
+            rows.append(M)
+            rhs.append(X[j, t] - X[0, t])
+        M, r = np.vstack(rows), np.concatenate(rhs)
+        sol, *_ = np.linalg.lstsq(M, r, rcond=None)
+        worst = max(worst, float(np.linalg.norm(M @ sol - r) / max(np.linalg.norm(r), 1e-300)))
+        c = sol[0] * n[0, t] - X[0, t]
+        offsets[t] = c - c.mean()
+    limit = 1e3 * max(ln.sphere_residual, 1e-15)
+    if worst > limit:
+        raise ModelMismatch(f"hidden_states[0] is not LN(x + c_t) with one offset per position (relative residual "
+                            f"{worst:.3g} > {limit:.2g})", check="embeddings", figure=worst, threshold=limit)
+    return Embeddings(ln=ln, offsets=offsets, residual=worst, queries=k)
