@@ -148,3 +148,12 @@ def test_bert_block_given_to_the_attention_method_is_a_model_mismatch():
     rep = ht.extract("bert-block:d=16,heads=2,ffn=32,seed=1", method="vector", raise_errors=False, verify=16)
     assert rep.exit_code == 5, rep.row
     assert "not affine" in rep.row["error"] and rep.row["queries_sent"] == 1 + 16 + 8      # b, d basis tokens, 8 extra
+
+
+def test_rope_layer_given_to_the_vector_method_is_a_model_mismatch():
+    """Rotary positions are outside the vector method's model class: the model check fails and the run
+    ends in exit 5 with the truth (a RopeAttention, not a CanonicalLayer) left uncompared, not in a crash
+    while the report compares parameters of different classes."""
+    rep = ht.extract("rope-mha:d=16,heads=2,seed=1", method="vector", raise_errors=False, verify=32)
+    assert rep.exit_code == 5, rep.row
+    assert "does not behave like a multi-head attention layer" in rep.row["error"] and rep.row["W_rel_err"] is None

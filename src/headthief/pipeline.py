@@ -357,10 +357,27 @@ def _exit_code(exc: BaseException) -> int:
 # --------------------------------------------------------------------------------------------- the row
 
 
+def _comparable(res, truth) -> bool:
+    """Whether ``res.errors(truth)`` is defined: the truth is of the model class the method recovers
+    (a head for single-head results, a MultiHeadAttention for multi-head ones, a CanonicalLayer for the
+    vector method). A truth of another class (a RoPE layer, a whole BERT block given to a method that
+    assumes less) has no parameter-wise comparison: the row's errors stay None and the model check says
+    how the target behaved."""
+    if truth is None:
+        return False
+    from .extraction.vector import VectorExtraction
+    from .models.mha import CanonicalLayer
+    from .models.multihead import MultiHeadAttention
+    if isinstance(res, VectorExtraction):
+        return isinstance(truth, CanonicalLayer)
+    if isinstance(truth, CanonicalLayer) or not hasattr(truth, "W"):
+        return False
+    return isinstance(truth, MultiHeadAttention) == hasattr(res, "V")
+
+
 def report_row(target: Target, method: str, res, fidelity, seed: int) -> dict:
     """One JSON-able row: what was recovered, the errors where the truth is known, the cost, the check."""
-    from .models.multihead import MultiHeadAttention
-    if target.truth is not None and isinstance(target.truth, MultiHeadAttention) == hasattr(res, "V"):
+    if _comparable(res, target.truth):
         errs = res.errors(target.truth)
     else:
         errs = {"W_rel_err": None, "v_rel_err": None, "c_rel_err": None, "beta_abs_err": None}
