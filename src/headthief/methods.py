@@ -362,7 +362,8 @@ def _run_vector(oracle, target, args, progress, clean=None):
     from .extraction.vector import extract_vector
     h = str(getattr(args, "heads", "auto"))
     heads = None if h == "auto" else int(h)
-    return extract_vector(oracle, **check_kw(args), heads=heads, rng=np.random.default_rng(args.seed),
+    causal = True if getattr(args, "causal", False) else None      # declared (--causal), else detected
+    return extract_vector(oracle, **check_kw(args), heads=heads, causal=causal, rng=np.random.default_rng(args.seed),
                           progress=progress)
 
 
@@ -370,7 +371,7 @@ METHODS["vector"] = Method(
     _run_vector, lambda t, a: None,
     "ours: a multi-head attention layer with output projection from vector (hidden-state) answers: d + 1 "
     "one-token queries for sum_h O_h and b, saturated two-token maps that split the heads' output spaces "
-    "(--heads auto finds H), soft anchor queries for every W_h and c_h")
+    "(--heads auto finds H), soft anchor queries for every W_h and c_h (--causal: a py: box declared causal)")
 VECTOR_METHODS = {"vector"}
 
 

@@ -53,8 +53,9 @@ class Options:
     General: ``seed`` (the method's own randomness), ``budget`` (most queries sent in all: extraction,
     check and verification), ``verify`` (fresh sequences for the fidelity), ``check`` (the model check),
     ``journal`` (a crash-proof SQLite journal path), ``save`` (``.npz`` output), ``blas_threads`` (BLAS
-    threads while extracting; default 1, see :func:`blas_limit`). Target: ``d``, ``bias`` (``py:``
-    targets), ``api_key`` (``http://`` targets). Method settings: ``probes``, ``scales`` (exact),
+    threads while extracting; default 1, see :func:`blas_limit`). Target: ``d``, ``bias``, ``output``,
+    ``d_out``, ``causal`` (``py:`` targets; ``causal`` also for an oracle, read by ``vector`` only),
+    ``api_key`` (``http://`` targets). Method settings: ``probes``, ``scales`` (exact),
     ``rank`` (lowrank, rop, multihead), ``oversample`` (lowrank), ``solver``, ``measurements``,
     ``oversampling`` (rop), ``heads``, ``max_heads`` (multi-head and transformer methods),
     ``subspace_bases`` (multihead-subspaces), ``sphere_queries``, ``eps_W`` (membership-paper),
@@ -75,6 +76,7 @@ class Options:
     bias: bool = False
     output: str | None = None         # a py: target's answer kind (value, last, all)
     d_out: int | None = None          # and its answer vectors' dimension
+    causal: bool = False              # a py: target (or an oracle) declared causal, for --method vector
     api_key: str | None = None
     probes: str = "basis"
     scales: str = "adaptive"
@@ -126,6 +128,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "W_bound": {"noisy-paper", "noisy", "membership-paper"},
     "mu": {"noisy-paper", "membership-paper"},
     "extra_probes": {"noisy"},
+    "causal": {"vector"},
 }
 
 
@@ -259,6 +262,11 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
 
 def check_settings_apply(opts: Options, method: str) -> None:
     """A method setting changed from its default for a method that does not read it is refused."""
+    if opts.causal and method != "vector":
+        raise SpecError(f"--causal does not apply to --method {method}: it declares the mask of a layer that "
+                        "answers with vectors, for --method vector (a py: target with --output last|all); "
+                        f"--method {method} models no mask: it reads one number per sequence, the last token's, "
+                        "and the last token attends to every token with or without one")
     unused = [k for k, ms in SETTING_METHODS.items()
               if method not in ms and getattr(opts, k) != getattr(DEFAULTS, k)]
     if unused:
@@ -320,20 +328,28 @@ class blas_limit:
 
 def _as_target(target, opts: Options) -> Target:
     """A spec string, a Target, or an Oracle (used as the innermost oracle: it keeps its own budget)."""
-    from .targets import resolve
+    from .targets import TARGET_KINDS, resolve
+    declared = {"causal": True} if opts.causal else {}
     if isinstance(target, Target):
-        return target
+        kind = target.spec.partition(":")[0]
+        if opts.causal and (kind in TARGET_KINDS or kind in ("http", "https")):
+            raise SpecError(f"causal=True declares a py: black box (or your own oracle or Target) causal; "
+                            f"{target.spec} is a {kind}: target, whose kind states its mask in the spec "
+                            "(mha:...,causal=1) or has it detected from answers at every position")
+        return dataclasses.replace(target, info={**target.info, **declared}) if declared else target
     if isinstance(target, Oracle):
         oracle = target
 
         def make(**kw):
             return oracle
+        vector = {"output": oracle.output.value, "d_out": oracle.d_out} if oracle.output.vector else {}
         return Target(spec=f"oracle:{type(oracle).__name__}", d=oracle.d, bias=bool(opts.bias), make_oracle=make,
-                      info={"oracle": repr(oracle)})
+                      info={"oracle": repr(oracle), **declared}, **vector)
     if not isinstance(target, str):
         raise SpecError(f"target must be a spec string, a Target or an Oracle, got {type(target).__name__}")
     try:
-        return resolve(target, d=opts.d, bias=opts.bias, api_key=opts.api_key, output=opts.output, d_out=opts.d_out)
+        return resolve(target, d=opts.d, bias=opts.bias, api_key=opts.api_key, output=opts.output, d_out=opts.d_out,
+                       causal=opts.causal)
     except MemoryError:
         raise SpecError(f"{target}: not enough memory to build this target (its parameters do not fit in this "
                         "machine's memory; choose a smaller d)") from None
@@ -562,6 +578,8 @@ def fingerprint(opts: Options) -> dict:
     for k in ("output", "d_out"):           # only when given: journals written before they existed still resume
         if getattr(opts, k) is not None:
             fp[k] = getattr(opts, k)
+    # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
+    # every position's answer a declaration is either what stage A detects or refused there)
     return fp
 
 

@@ -15,6 +15,10 @@ from .target_options import add_target_arguments
 def add_arguments(e: argparse.ArgumentParser) -> None:
     """The options of ``headthief extract``."""
     add_target_arguments(e)
+    e.add_argument("--causal", action="store_true", default=D.causal,
+                   help="the py: target is causal (each position attends to itself and earlier ones); --method "
+                        "vector then recovers a causal layer, also from --output last answers, where the mask "
+                        "cannot be seen (with --output all it is checked: a contradiction is exit 5)")
     e.add_argument("--method", default=D.method,
                    help=f"auto (default: chosen from the target and the answers) or one of: {', '.join(METHODS)}")
     e.add_argument("--seed", type=int, default=D.seed, help="seed of the extraction's own randomness (>= 0; default 0)")

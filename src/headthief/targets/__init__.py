@@ -63,6 +63,7 @@ def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
         raise SpecError(f"--output {output!r}: use value (one number per sequence), last (a vector at the last "
                         "position) or all (a vector at every position)")
     d_out = ctx.get("d_out") or (int(d) if output != "value" else None)
+    causal = bool(ctx.get("causal"))
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"py target: no such file {path!r}")
@@ -77,7 +78,8 @@ def _build_py(spec: str, rest: str, ctx: dict[str, Any]) -> Target:
         raise SpecError(f"py target: {path} has no callable named {func!r}")
     return Target(spec=spec, d=int(d), bias=bool(ctx.get("bias")), truth=None, output=output, d_out=d_out,
                   make_oracle=lambda **kw: CallableOracle(fn, int(d), **{"output": output, "d_out": d_out, **kw}),
-                  info={"callable": func, **({"output": output} if output != "value" else {})})
+                  info={"callable": func, **({"output": output} if output != "value" else {}),
+                        **({"causal": True} if causal else {})})
 
 
 register(TargetKind("random", "random:d=D[,seed=S][,rank=R][,sparse_v=F][,v=zero][,bias=1][,dtype=float32][,W_norm=X][,v_norm=Y][,v_min=M]",
@@ -172,8 +174,13 @@ register(TargetKind("ffn", "ffn:d=D,m=M[,seed=S][,bias=1][,sparse=F][,dtype=floa
 
 
 def resolve(spec: str, **ctx: Any) -> Target:
-    """Turn a spec string into a :class:`Target`. ``ctx`` carries CLI settings (``d``, ``bias``)."""
+    """Turn a spec string into a :class:`Target`. ``ctx`` carries CLI settings (``d``, ``bias``, ``output``,
+    ``d_out``, ``causal``: what a ``py:`` black box cannot say about itself)."""
     kind, sep, rest = spec.partition(":")
+    if ctx.get("causal") and kind != "py":
+        raise SpecError(f"--causal declares a py: black box causal; {spec} is not one: other kinds fix their "
+                        "mask in the spec (mha:...,causal=1; rope-mha:, llama-attn: and gpt2-attn: are causal) or, "
+                        "behind an API, have it detected from answers at every position (--method vector)")
     if kind in ("http", "https"):
         from .http import build_http
         return build_http(spec, ctx)
@@ -189,9 +196,10 @@ def describe() -> list[tuple[str, str]]:
     rows = [(k.syntax, k.description) for k in TARGET_KINDS.values()]
     rows.append(("http://HOST:PORT[?framing=auto|sparse|npy|json][&connect_wait=S] --api-key K",
                  "a model behind a `headthief serve` API (key also from HEADTHIEF_API_KEY)"))
-    rows.append(("py:PATH.py:FUNC --d D [--bias] [--output last|all [--d-out K]]",
+    rows.append(("py:PATH.py:FUNC --d D [--bias] [--output last|all [--d-out K] [--causal]]",
                  "your own black box: FUNC maps a list of (N_i, d) arrays to one float per array (--output last: "
-                 "one K-vector per array; --output all: one (N_i, K) array per array)"))
+                 "one K-vector per array; --output all: one (N_i, K) array per array; --causal: each position "
+                 "attends to itself and earlier ones, for --method vector)"))
     return rows
 
 

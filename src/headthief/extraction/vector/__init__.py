@@ -114,9 +114,10 @@ def vector_fidelity(layer: CanonicalLayer, oracle: Oracle, n: int, *, rng=0, max
                     max_rel_err=err / max(rms, 1e-300))
 
 
-def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.Generator | int = 0,
-                   check: bool = True, verify: int = 256, check_rng: int = 10_000, oversample: float = 2.0,
-                   max_maps: int = 40, refine: bool = True, progress=None) -> VectorExtraction:
+def extract_vector(oracle: Oracle, *, heads: int | None = None, causal: bool | None = None,
+                   rng: np.random.Generator | int = 0, check: bool = True, verify: int = 256, check_rng: int = 10_000,
+                   oversample: float = 2.0, max_maps: int = 40, refine: bool = True,
+                   progress=None) -> VectorExtraction:
     """Recover a multi-head attention layer with output projection from vector answers (see the module).
 
     Args:
@@ -128,6 +129,13 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
         oracle: answers with vectors (``oracle.output`` ``last`` or ``all``); refused before the first
             query otherwise.
         heads: the head count, or None to find it (the parts the output space splits into).
+        causal: the layer's mask as the user knows it (``headthief extract --causal``): True, each position
+            attends to itself and earlier ones (False: bidirectional, checked alike); None (default), detected
+            by stage A's two-token query with answers at every position and taken as bidirectional with the
+            last position's only. At the last position a causal and a bidirectional layer with the same weights answer alike, so there the
+            declaration is not checked: it sets the recovered layer's mask (its other positions, what
+            ``save`` writes). With every position's answer a declaration the two-token query contradicts
+            raises :class:`ModelMismatch` before stage B.
         check / verify / check_rng: the model check: fresh sequences compared number by number; a figure
             above 10 x the method's own error on the answers it was fitted to (floored at 30 x the answers'
             measured relative noise), or a fit error above 1e-2, raises :class:`ModelMismatch` (exit 5).
@@ -139,13 +147,15 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
     rng = np.random.default_rng(rng)
     t0 = time.perf_counter()
     before = counters(oracle)
-    aff = affine_part(oracle, rng)
+    aff = affine_part(oracle, rng, causal=causal)
     if progress is not None:
         progress(aff.queries)
     sp = head_spaces(oracle, aff, rng, heads=heads, max_maps=max_maps, progress=progress)
     O, design_rank = output_maps(sp, aff.M)
-    sc, reads = read_scores(oracle, aff.b, O, rng, causal=bool(aff.causal), oversample=oversample,
-                            progress=progress)
+    # the reads see the mask only where they read earlier positions: at the last one it attends to every token
+    # either way, so a declared mask changes no query and no fitted number there, only the layer assembled below
+    masked_reads = bool(aff.causal) and aff.detected is not None
+    sc, reads = read_scores(oracle, aff.b, O, rng, causal=masked_reads, oversample=oversample, progress=progress)
     r = sp.bases[0].shape[1]
     layer = _assemble(sc, O, r, aff.b, bool(aff.causal), oracle.output)
     insample = _insample(layer, reads)
@@ -182,7 +192,8 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, rng: np.random.G
                 O, sc, layer, insample = O_new, sc_new, layer_new, err_new
     spent = oracle.queries - before["queries"]
     diag = {"heads_found": len(sp.bases), "head_dim": int(sp.bases[0].shape[1]), "rank_M": sp.rank,
-            "causal": aff.causal, "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
+            "causal": aff.causal, **({"causal_declared": aff.declared} if aff.declared is not None else {}),
+            "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
             "stage_B_queries": sp.queries, "stage_C_queries": sc.queries,
             "stage_R_queries": int(refined.get("refine_queries", 0)), "refine_kept": bool(refined.get("kept", False)), "saturated_maps": sp.maps,
             "maps_rejected": sp.rejected, "selection_rank": design_rank, "map_idempotency": sp.idempotency, "score_fit_rms": sc.fit_rms,
