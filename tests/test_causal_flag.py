@@ -124,3 +124,13 @@ def test_help_and_targets_mention_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["extract", "--help"])
     assert "--causal" in capsys.readouterr().out
+
+
+def test_a_spec_that_states_its_mask_reaches_the_method_at_the_last_position():
+    """mha:...,causal=1,output=last: the mask is in the spec (not observable at the last position), so the
+    recovered layer is causal; the same spec without causal=1 comes back bidirectional."""
+    rep = ht.extract("mha:d=16,heads=2,seed=3,causal=1,output=last", method="vector", verify=32, raise_errors=False)
+    assert rep.exit_code == 0 and rep.row["causal"] is True, rep.row
+    assert rep.row["W_rel_err"] < 1e-10
+    rep = ht.extract("mha:d=16,heads=2,seed=3,output=last", method="vector", verify=32, raise_errors=False)
+    assert rep.exit_code == 0 and not rep.row["causal"], rep.row

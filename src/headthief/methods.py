@@ -362,7 +362,9 @@ def _run_vector(oracle, target, args, progress, clean=None):
     from .extraction.vector import extract_vector
     h = str(getattr(args, "heads", "auto"))
     heads = None if h == "auto" else int(h)
-    causal = True if getattr(args, "causal", False) else None      # declared (--causal), else detected
+    # declared (--causal for a py: box, or the spec's own mask: mha:...,causal=1, gpt2-attn:), else detected
+    spec_causal = target is not None and (target.info or {}).get("causal") is True
+    causal = True if getattr(args, "causal", False) or spec_causal else None
     return extract_vector(oracle, **check_kw(args), heads=heads, causal=causal, rng=np.random.default_rng(args.seed),
                           progress=progress)
 
