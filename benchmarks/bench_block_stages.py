@@ -10,6 +10,7 @@ largest) and residual, queries and seconds.
     .venv/bin/python benchmarks/bench_block_stages.py              # 20 random float64 blocks (seeds 500..519)
     .venv/bin/python benchmarks/bench_block_stages.py --float32    # 5 random float32 blocks
     .venv/bin/python benchmarks/bench_block_stages.py --minilm     # MiniLM block 2, float32 and float64
+    .venv/bin/python benchmarks/bench_block_stages.py --stage-f 16 64 --seeds 700 720   # + stage F (LN1, FFN)
 
 measured on this machine (2 cores):
 
@@ -69,6 +70,31 @@ def run(block, seed: int) -> dict:
     return row
 
 
+def run_f(d: int, ffn: int, seed: int) -> dict:
+    """Stages L, V, F and the one-token check on random_block(d, 2, ffn, seed) (float64)."""
+    from headthief.extraction.block import check_one_token, extract_ffn
+    block = random_block(d, 2, ffn, seed=seed)
+    oracle = ModelOracle(block)
+    rng = np.random.default_rng(seed)
+    t = time.perf_counter()
+    row = {"d": d, "ffn": ffn, "seed": seed}
+    try:
+        ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
+        vs = value_sum(oracle, rng, precision=1e-15)
+        part = extract_ffn(oracle, ln, vs, rng, ffn=ffn)
+        P = np.eye(d) - 1.0 / d
+        s = float(np.mean(part.gamma / block.ln1_gamma))
+        W1m = block.W1 @ np.diag(block.ln1_gamma) @ P
+        err = max(float(np.min(np.linalg.norm(W1m - w, axis=1)) / np.linalg.norm(w)) for w in part.W1m)
+        row.update(gamma1=float(np.max(np.abs(part.gamma - s * block.ln1_gamma)) / np.sqrt(d)), neuron=err,
+                   iters=part.info["span_iterations"], starts=part.info["starts"],
+                   fid=check_one_token(oracle, part, ln, vs, rng)["fidelity"])
+    except HeadthiefError as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    row.update(queries=oracle.queries, seconds=time.perf_counter() - t)
+    return row
+
+
 def show(row: dict) -> None:
     f = lambda k: f"{row[k]:9.2e}" if k in row else "        -"          # noqa: E731
     print(f"{row['d']:5d} {row['dtype']:>8s} {row['seed']:5d} {f('gamma2')} {f('beta2')} {f('B')} {f('b')} "
@@ -80,7 +106,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--float32", action="store_true", help="5 random float32 blocks")
     ap.add_argument("--minilm", action="store_true", help="MiniLM block 2, float32 and float64")
+    ap.add_argument("--stage-f", nargs=2, type=int, metavar=("D", "FFN"), help="stages L, V, F on random blocks")
+    ap.add_argument("--seeds", nargs=2, type=int, default=[500, 520], metavar=("FIRST", "STOP"))
     args = ap.parse_args()
+    if args.stage_f:
+        d, ffn = args.stage_f
+        print("    d   ffn  seed    gamma1    neuron  span its  starts  1-token fid  queries     sec")
+        ok = 0
+        for seed in range(*args.seeds):
+            r = run_f(d, ffn, seed)
+            if "error" in r:
+                print(f"{d:5d} {ffn:5d} {seed:5d}  {r['error']}")
+                continue
+            ok += max(r["gamma1"], r["neuron"], r["fid"]) <= 1e-8
+            print(f"{d:5d} {ffn:5d} {seed:5d} {r['gamma1']:9.2e} {r['neuron']:9.2e} {r['iters']:9d} {r['starts']:7d} "
+                  f"{r['fid']:12.2e} {r['queries']:8d} {r['seconds']:7.1f}", flush=True)
+        print(f"gamma_1, every neuron and the one-token fidelity within 1e-8: {ok}/{args.seeds[1] - args.seeds[0]}")
+        return
     print("    d    dtype  seed    gamma2     beta2         B         b  ratio      cond       res  queries     sec")
     if args.minilm:
         rows = [run(from_minilm(2, dtype=dt), 2) for dt in (np.float32, np.float64)]

@@ -209,3 +209,46 @@ def test_a_block_is_not_an_embedding_layer():
     with pytest.raises(ModelMismatch, match="one offset per position") as e:
         embedding_stage(ModelOracle(block), np.random.default_rng(44), length=8)
     assert e.value.check == "embeddings"
+
+
+# ----------------------------------------------------------------------------- stage F (LN1 + FFN)
+
+
+def _stages_lv(block, seed):
+    oracle = ModelOracle(block)
+    rng = np.random.default_rng(seed)
+    ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, 6, block.d)))))
+    return oracle, ln, value_sum(oracle, rng, precision=1e-15)
+
+
+@pytest.mark.parametrize("seed", [61, 62])
+def test_stage_f_recovers_ln1_and_every_neuron(seed):
+    from headthief.extraction.block import check_one_token, extract_ffn
+    d, ffn = 12, 24
+    block = random_block(d, 2, ffn, seed=seed)
+    oracle, ln, vs = _stages_lv(block, seed)
+    before = oracle.queries
+    part = extract_ffn(oracle, ln, vs, np.random.default_rng(seed), ffn=ffn)
+    assert oracle.queries - before == part.info["queries"] == 125 * (4 * (d - 2) + 1)  # 5 (ffn + 1) points
+    P = np.eye(d) - 1.0 / d
+    s = float(np.mean(part.gamma / block.ln1_gamma))                      # the block's global scale
+    assert np.max(np.abs(part.gamma - s * block.ln1_gamma)) <= 1e-9 * np.sqrt(d)
+    W1m = block.W1 @ np.diag(block.ln1_gamma) @ P                       # acts on LN1's normalised output: no s
+    b1m = block.W1 @ block.ln1_beta + block.b1
+    for k in range(ffn):                                                  # every recovered neuron is a true one
+        j = int(np.argmin(np.linalg.norm(W1m - part.W1m[k], axis=1)))
+        assert np.linalg.norm(part.W1m[k] - W1m[j]) <= 1e-8 * np.linalg.norm(W1m[j])
+        assert abs(part.b1m[k] - b1m[j]) <= 1e-8 * (1 + abs(b1m[j]))
+        assert np.linalg.norm(P @ part.W2[:, k] - s * P @ block.W2[:, j]) <= 1e-8 * np.linalg.norm(s * block.W2[:, j])
+    assert np.max(np.abs(part.c - s * P @ (block.ln1_beta + block.b2))) <= 1e-8 * abs(s)
+    chk = check_one_token(oracle, part, ln, vs, np.random.default_rng(seed + 1))
+    assert chk["fidelity"] <= chk["threshold"] and chk["fidelity"] <= 1e-9
+
+
+def test_stage_f_with_the_wrong_width_is_refused():
+    from headthief.errors import ConvergenceError
+    from headthief.extraction.block import extract_ffn
+    block = random_block(12, 2, 24, seed=63)
+    oracle, ln, vs = _stages_lv(block, 63)
+    with pytest.raises((NotIdentifiable, ConvergenceError)):
+        extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=20)

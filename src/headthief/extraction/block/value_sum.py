@@ -48,6 +48,7 @@ class ValueSum:
 
     B: np.ndarray
     b: np.ndarray
+    Binv: np.ndarray       # B^{-1} (I + 1 q^T) for some q: x = Binv (p - b) gives B x + b = p modulo the ones-vector
     c0: np.ndarray
     c1: np.ndarray
     residual: float        # relative residual of the stacked Jacobian equations (model check)
@@ -145,6 +146,6 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     B = np.linalg.inv(X)
     c0, *_ = np.linalg.lstsq(np.vstack(nrows), np.concatenate(nrhs), rcond=None)
     c0 = c0 - c1 * (c1 @ c0)
-    return ValueSum(B=centre(B), b=centre(B @ c0), c0=c0, c1=c1, residual=res, conditioning=cond,
+    return ValueSum(B=centre(B), b=centre(B @ c0), Binv=X, c0=c0, c1=c1, residual=res, conditioning=cond,
                     expected=float(expected), step=float(h),
                     queries=q)
