@@ -40,10 +40,7 @@ from headthief.oracles.base import ModelOracle
 
 
 def truth_value_sum(block):
-    a = block.attention
-    d = block.d
-    B = np.eye(d) + a.Wo.astype(float) @ a.V.reshape(d, d).astype(float)
-    b = a.Wo.astype(float) @ a.bv.reshape(d).astype(float) + a.bo
+    B, b = block.value_output_sum()
     return centre(B), centre(b)
 
 

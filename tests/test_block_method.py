@@ -17,11 +17,8 @@ D, H, FFN = 32, 4, 128
 
 
 def value_output_sum(block):
-    """The truth of stage V: P B and P b with B = I + W_O V (all heads), b = W_O b_V + b_O."""
-    a = block.attention
-    d = block.d
-    B = np.eye(d) + a.Wo.astype(float) @ a.V.reshape(d, d).astype(float)
-    b = a.Wo.astype(float) @ a.bv.reshape(d).astype(float) + a.bo
+    """The truth of stage V: P B and P b (P removes the ones-component)."""
+    B, b = block.value_output_sum()
     return centre(B), centre(b)
 
 

@@ -156,6 +156,15 @@ class BertBlock:
     def ffn(self) -> int:
         return int(self.W1.shape[0])
 
+    def value_output_sum(self) -> tuple[np.ndarray, np.ndarray]:
+        """``B = I + W_O V`` (all heads) and ``b = W_O b_V + b_O``: the block's attention on one token is
+        ``x -> B x + b`` before LN1 (float64; what the block method's stage V recovers modulo ones)."""
+        a = self.attention
+        d = self.d
+        B = np.eye(d) + a.Wo.astype(np.float64) @ a.V.reshape(d, d).astype(np.float64)
+        b = a.Wo.astype(np.float64) @ a.bv.reshape(d).astype(np.float64) + a.bo.astype(np.float64)
+        return B, b
+
     def with_output(self, output) -> "BertBlock":
         return dataclasses.replace(self, output=Output.parse(output))
 
