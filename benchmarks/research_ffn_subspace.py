@@ -89,29 +89,24 @@ def span(Y, ms, ns, r, d, iterations, omega, Qt):
     return Q
 
 
-def neurons(Q, truth, d, rng, max_runs=4000):
+def neurons(Q, truth, d, rng):
+    """Stage F's own rank-one search (``headthief.extraction.block.ffn.rank_ones``) on span(Q), matched to
+    the true neurons: {true index: 1 - |cos|} and the random starts it took."""
+    from headthief.errors import NotIdentifiable
+    from headthief.extraction.block.ffn import rank_ones
     M = truth.shape[0] - 1
     Rn = truth[:M] / np.linalg.norm(truth[:M], axis=1, keepdims=True)
+    try:
+        pairs, starts = rank_ones(Q, M, d, rng)
+    except NotIdentifiable as e:
+        print(f"  {e}")
+        return {}, 0
     found: dict[int, float] = {}
-    runs = 0
-    while len(found) < M and runs < max_runs:
-        runs += 1
-        z = Q @ rng.standard_normal(Q.shape[1])
-        for _ in range(300):
-            U, S, Vt = np.linalg.svd(z.reshape(d, d))
-            zn = Q @ (Q.T @ (S[0] * np.outer(U[:, 0], Vt[0])).ravel())
-            zn /= np.linalg.norm(zn)
-            done = np.linalg.norm(zn - np.sign(zn @ z) * z) < 1e-14
-            z = zn
-            if done:
-                break
-        S = np.linalg.svd(z.reshape(d, d), compute_uv=False)
-        if S[1] / S[0] > 1e-6:
-            continue
-        c = np.abs(Rn @ z)
+    for u, v in pairs:
+        c = np.abs(Rn @ np.outer(u, v).ravel())
         k = int(np.argmax(c))
         found[k] = min(found.get(k, 1.0), float(1 - c[k]))
-    return found, runs
+    return found, starts
 
 
 def main() -> None:
