@@ -211,11 +211,13 @@ def head_spaces(oracle: Oracle, aff: Affine, rng: np.random.Generator, *, heads:
             check="saturated maps", figure=float(rejected), threshold=0.0)
     if heads is not None and not (len(parts) == heads and set(dims) == {r // heads}):
         raise NotIdentifiable(f"the heads' output spaces were not separated into {heads} parts of dimension "
-                              f"{r // heads} after {maps} saturated maps ({queries} queries): parts of dimensions "
-                              f"{dims} ({rejected} maps or positions were not saturated)")
+                              f"{r // heads} after {maps} saturated maps (the stage's cap is {max_maps}; {queries} "
+                              f"queries): parts of dimensions {dims} ({rejected} maps or positions were not saturated); "
+                              "two heads that no map saturated apart stay merged")
     if heads is None and len(set(dims)) != 1:
         raise NotIdentifiable(f"the heads' output spaces split into parts of unequal dimensions {dims} after "
-                              f"{maps} saturated maps ({queries} queries); give --heads H, or more --budget")
+                              f"{maps} saturated maps (the stage's cap is {max_maps}; {queries} queries); give --heads H "
+                              "if the head count is known")
     bases = tuple(Ub @ B for B in parts)
     return Spaces(bases=bases, rank=r, maps=maps, rejected=rejected, queries=queries, idempotency=worst,
                   history=history, maps_used=tuple((J, Ub @ P @ Ub.T, nz, at) for J, P, nz, at in used), noise_M=noise_M)
