@@ -249,3 +249,20 @@ def test_stage_f_with_the_wrong_width_is_refused():
     oracle, ln, vs = _stages_lv(block, 63)
     with pytest.raises((NotIdentifiable, ConvergenceError)):
         extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=20)
+
+
+def test_stage_f_under_an_input_norm_bound():
+    """LN1 ignores the scale of its input, so stage F picks, per query, the token of least norm that gives
+    the wanted LN1 output: the run keeps a bound well below the default tokens' norm."""
+    from headthief.extraction.block import check_one_token, extract_ffn
+    d, ffn = 12, 24
+    block = random_block(d, 2, ffn, seed=64)
+    free = ModelOracle(block)
+    rng = np.random.default_rng(64)
+    ln = fit_output_layernorm(np.asarray(free.query_packed(rng.standard_normal((4, 6, d)))))
+    vs = value_sum(free, rng, precision=1e-15)
+    bound = 0.8 * np.sqrt(d)        # tighter bounds shrink LN1's input until its eps (1e-12) shows: docs/block.md
+    oracle = ModelOracle(block, input_norm=bound)                        # refuses any longer token
+    part = extract_ffn(oracle, ln, vs, np.random.default_rng(65), ffn=ffn)
+    chk = check_one_token(oracle, part, ln, vs, np.random.default_rng(66), scale=0.9 * bound)
+    assert chk["fidelity"] <= 1e-9

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable
+from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm
 from .value_sum import STENCIL, WEIGHTS, ValueSum
@@ -69,14 +69,34 @@ def _sphere(rng, k: int, d: int) -> np.ndarray:
     return m * (np.sqrt(d) / np.linalg.norm(m, axis=1, keepdims=True))
 
 
-def tokens_for(vs: ValueSum, M: np.ndarray, r: float) -> np.ndarray:
-    """One-token inputs x with LN1's normalised output m (rows of M): ``x = B^{-1}(r m - b)``."""
-    Binv = vs.Binv
-    return (r * np.atleast_2d(M) - vs.b) @ Binv.T
+def tokens_for(vs: ValueSum, M: np.ndarray, r: float | None = None, *, bound: float | None = None) -> np.ndarray:
+    """One-token inputs x with LN1's normalised output m (rows of M): ``x = B^{-1}(r m - b)``. LN1 ignores
+    r > 0, so each row may take its own: with an input-norm ``bound``, the largest r (at most ``r``, default
+    sqrt(d)) whose token has norm <= 0.9 bound. A small r would let LN1's eps and rounding in, so the
+    largest is taken, and a row no r > 0 brings inside the bound is an :class:`InvalidQuery`. The tokens
+    carry no component along ``B^{-1} 1`` (it would only add a ones-vector to LN1's input)."""
+    M = np.atleast_2d(M)
+    e = vs.c1                                           # B^{-1} 1: a shift along it only adds ones to pre
+    U = M @ vs.Binv.T                                   # B^{-1} m per row
+    U = U - np.outer(U @ e, e)
+    c = vs.Binv @ vs.b                                  # B^{-1} b
+    c = c - (c @ e) * e
+    r0 = float(np.sqrt(M.shape[1])) if r is None else float(r)
+    rr = np.full(len(M), r0)
+    if bound is not None:
+        R = 0.9 * float(bound)
+        uu, uc, cc = np.einsum("ij,ij->i", U, U), U @ c, float(c @ c)
+        disc = uc ** 2 - uu * (cc - R * R)
+        top = (uc + np.sqrt(np.maximum(disc, 0.0))) / uu
+        if np.any(disc < 0) or np.any(top <= 0):
+            raise InvalidQuery(f"no token within the input-norm bound {bound:g} gives the wanted LN1 output: "
+                               f"|B^-1 b| = {np.sqrt(cc):.3g} alone is too long")
+        rr = np.minimum(rr, top)
+    return rr[:, None] * U - c
 
 
 def jacobians(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, points: int,
-              r: float, precision: float):
+              r: float | None, precision: float):
     """(J (T, d, d), ms (T, d) unit, ns (T, d) unit, queries): the tangent Jacobians dn/dm at T random m."""
     d = oracle.d
     eps = max(float(precision), 1e-16)
@@ -90,13 +110,13 @@ def jacobians(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.
         # orthonormal tangent basis: complement of {1, m}
         Tb = np.linalg.svd(P - np.outer(mh, mh))[0][:, :d - 2].T       # (d - 2, d)
         pts = m[None, None, :] + h * np.sqrt(d) * np.asarray(STENCIL, float)[None, :, None] * Tb[:, None, :]
-        X = tokens_for(vs, pts.reshape(-1, d), r)
+        X = tokens_for(vs, pts.reshape(-1, d), r, bound=oracle.input_norm)
         Y = np.asarray(oracle.query_packed(X[:, None, :]))
         q += len(X)
         N = ln.normalized(Y).reshape(d - 2, len(STENCIL), d)
         D = np.einsum("k,jko->oj", WEIGHTS, N) / (h * np.sqrt(d))     # (d, d - 2): dn along each tangent vector
         J = D @ Tb                                                      # (d, d)
-        y0 = ln.normalized(np.asarray(oracle.query_packed(tokens_for(vs, m, r)[:, None, :]))[0])
+        y0 = ln.normalized(np.asarray(oracle.query_packed(tokens_for(vs, m, r, bound=oracle.input_norm)[:, None, :]))[0])
         q += 1
         Js.append(J)
         ms.append(mh)
@@ -247,7 +267,6 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     from ...models.bert_block import gelu
     d = oracle.d
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
-    r = float(np.sqrt(d)) if r is None else float(r)
     J, ms, ns, q = jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision)
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, progress=progress)
     pairs, starts = rank_ones(Q, ffn, d, rng)
