@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import InvalidQuery
 from ..oracles.answers import Output
-from .mha import AttentionLayer, _assemble, _groups
+from .mha import AttentionLayer, evaluate_by_length
 
 BERT_EPS = 1e-12
 ACTIVATIONS = ("gelu", "relu")
@@ -191,8 +191,7 @@ class BertBlock:
         return self.trace(X)["y"].astype(np.float64)
 
     def evaluate(self, batch):
-        groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
-        return _assemble(self.output, batch, groups, self.d_out)
+        return evaluate_by_length(self, batch)
 
     # ------------------------------------------------------------------ transformers' naming
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -402,8 +401,7 @@ class Encoder:
         return y.astype(np.float64)
 
     def evaluate(self, batch):
-        groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
-        return _assemble(Output.ALL, batch, groups, self.d_out)
+        return evaluate_by_length(self, batch)
 
 
 def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:

@@ -65,6 +65,12 @@ def _assemble(output: Output, batch, groups_out, d_out: int):
     return out
 
 
+def evaluate_by_length(model, batch):
+    """Answer ``batch`` with ``model.forward`` run once per group of equal-length sequences, packed as
+    ``model.output`` says (``model.d_out`` numbers per answer): the ``evaluate`` of every numpy vector model."""
+    return _assemble(model.output, batch, [(idx, model.forward(A)) for idx, A in _groups(batch)], model.d_out)
+
+
 def _softmax_rows(S: np.ndarray, causal: bool) -> np.ndarray:
     if causal:
         N = S.shape[-1]
@@ -141,8 +147,7 @@ class AttentionLayer:
         return (ctx @ self.Wo.T + self.bo).astype(np.float64)
 
     def evaluate(self, batch):
-        groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
-        return _assemble(self.output, batch, groups, self.d_out)
+        return evaluate_by_length(self, batch)
 
     def canonical(self) -> "CanonicalLayer":
         """The identifiable parameters (W_h, c_h, O_h, b) in float64 (see the module docstring)."""
@@ -214,8 +219,7 @@ class CanonicalLayer:
         return self.b + ((Z @ self.Vt[None]) @ self.U.transpose(0, 2, 1)[None]).sum(1)
 
     def evaluate(self, batch):
-        groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
-        return _assemble(self.output, batch, groups, self.d_out)
+        return evaluate_by_length(self, batch)
 
     def attention(self, X: np.ndarray) -> np.ndarray:
         """Attention weights (H, N, N) of one sequence."""

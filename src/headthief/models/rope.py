@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..oracles.answers import Output
-from .mha import _assemble, _groups, _softmax_rows
+from .mha import _softmax_rows, evaluate_by_length
 
 _NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -201,8 +201,7 @@ class RopeAttention:
         return self.trace(X)["y"].astype(np.float64)
 
     def evaluate(self, batch):
-        groups = [(idx, self.forward(A)) for idx, A in _groups(batch)]
-        return _assemble(self.output, batch, groups, self.d_out)
+        return evaluate_by_length(self, batch)
 
     # ------------------------------------------------------------------ transformers' naming
     def state_dict(self) -> dict[str, np.ndarray]:
