@@ -35,7 +35,7 @@ import numpy as np
 from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm
-from .value_sum import STENCIL, WEIGHTS, ValueSum
+from .value_sum import ValueSum, stencil_derivative, stencil_tokens
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,10 @@ def jacobians(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.
         mh = m / np.linalg.norm(m)
         # orthonormal tangent basis: complement of {1, m}
         Tb = np.linalg.svd(P - np.outer(mh, mh))[0][:, :d - 2].T       # (d - 2, d)
-        pts = m[None, None, :] + h * np.sqrt(d) * np.asarray(STENCIL, float)[None, :, None] * Tb[:, None, :]
-        X = tokens_for(vs, pts.reshape(-1, d), r, bound=oracle.input_norm)
+        X = tokens_for(vs, stencil_tokens(m, Tb, h * np.sqrt(d)), r, bound=oracle.input_norm)
         Y = np.asarray(oracle.query_packed(X[:, None, :]))
         q += len(X)
-        N = ln.normalized(Y).reshape(d - 2, len(STENCIL), d)
-        D = np.einsum("k,jko->oj", WEIGHTS, N) / (h * np.sqrt(d))     # (d, d - 2): dn along each tangent vector
-        J = D @ Tb                                                      # (d, d)
+        J = stencil_derivative(ln.normalized(Y), d - 2, h * np.sqrt(d)) @ Tb   # dn along each tangent vector
         y0 = ln.normalized(np.asarray(oracle.query_packed(tokens_for(vs, m, r, bound=oracle.input_norm)[:, None, :]))[0])
         q += 1
         Js.append(J)
@@ -290,18 +287,13 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
         W1m[k] = alpha * v
         b1m[k] = beta
         W2[:, k] = kappa * u / alpha
-    # the linear remainder: P (gam m + W2 g + c) = zeta_t n_t, least squares in (c, zeta)
+    # the linear remainder: P (gam m + W2 g + c) = zeta_t n_t, least squares in (c, zeta). Each zeta_t's
+    # optimum is the projection on n_t, so c solves sum_t (P - n_t n_t^T)(G_t + c) = 0 (d unknowns, not d + T)
     G = gelu(M @ W1m.T + b1m) @ W2.T + M * gam                          # (T, d)
-    rows = []
-    rhs = []
-    for t in range(T):
-        A = np.zeros((d, d + T))
-        A[:, :d] = P
-        A[:, d + t] = -ns[t] * np.sqrt(d)
-        rows.append(A)
-        rhs.append(-P @ G[t])
-    sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(rhs), rcond=None)
-    c = P @ sol[:d]
+    PG = G - G.mean(axis=1, keepdims=True)
+    A = T * P - ns.T @ ns
+    sol, *_ = np.linalg.lstsq(A, -(PG.sum(axis=0) - ns.T @ np.einsum("td,td->t", ns, PG)), rcond=None)
+    c = P @ sol
     info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
             "profile_fit_worst": float(max(fits)), "fitted": ["span (iterated)", "neuron profiles (1-D fits)"]}
     return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info=info)

@@ -64,13 +64,14 @@ def centre(A: np.ndarray) -> np.ndarray:
     return A - A.mean(axis=0, keepdims=True)
 
 
-def _stencil_tokens(x: np.ndarray, Qb: np.ndarray, h: float) -> np.ndarray:
+def stencil_tokens(x: np.ndarray, Qb: np.ndarray, h: float) -> np.ndarray:
     """(4 d, d): x + k h q for every direction q (rows of Qb) and k in STENCIL, direction-major."""
     return (x[None, None, :] + h * np.asarray(STENCIL, float)[None, :, None] * Qb[:, None, :]).reshape(-1, x.size)
 
 
-def _derivative(Y: np.ndarray, d: int, h: float) -> np.ndarray:
-    """The stencil's derivative from answers (4 d, d_out) ordered as :func:`_stencil_tokens`: (d_out, d)."""
+def stencil_derivative(Y: np.ndarray, d: int, h: float) -> np.ndarray:
+    """The stencil's derivative from answers (4 d, d_out) ordered as :func:`stencil_tokens` for d directions:
+    (d_out, d)."""
     Y = Y.reshape(d, len(STENCIL), -1)
     return np.einsum("k,jko->oj", WEIGHTS, Y) / h
 
@@ -79,18 +80,18 @@ def jacobians(oracle: Oracle, x: np.ndarray, Qb: np.ndarray, h: float) -> tuple[
     """``J_Psi``, ``J_self``, ``J_cross`` at base token x (each (d_out, d), in the coordinates of Qb's rows
     rotated back), and the queries spent."""
     d = x.size
-    T = _stencil_tokens(x, Qb, h)
+    T = stencil_tokens(x, Qb, h)
     one = np.asarray(oracle.query_packed(T[:, None, :]))
-    J_psi = _derivative(one, d, h) @ Qb
+    J_psi = stencil_derivative(one, d, h) @ Qb
     base = np.broadcast_to(x, T.shape)
     if oracle.output is Output.ALL:
         Y = np.asarray(oracle.query(np.stack([T, base], axis=1)))        # (4d, 2, d_out)
-        J_self = _derivative(Y[:, 0], d, h) @ Qb
-        J_cross = _derivative(Y[:, 1], d, h) @ Qb
+        J_self = stencil_derivative(Y[:, 0], d, h) @ Qb
+        J_cross = stencil_derivative(Y[:, 1], d, h) @ Qb
         q = 2 * len(T)
     else:                                                                # the last position only
-        J_cross = _derivative(np.asarray(oracle.query_packed(np.stack([T, base], axis=1))), d, h) @ Qb
-        J_self = _derivative(np.asarray(oracle.query_packed(np.stack([base, T], axis=1))), d, h) @ Qb
+        J_cross = stencil_derivative(np.asarray(oracle.query_packed(np.stack([T, base], axis=1))), d, h) @ Qb
+        J_self = stencil_derivative(np.asarray(oracle.query_packed(np.stack([base, T], axis=1))), d, h) @ Qb
         q = 3 * len(T)
     return J_psi, J_self, J_cross, q
 
@@ -108,7 +109,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     eps = max(float(precision), 1e-16)
     h = s * eps ** 0.2 / np.sqrt(d)                     # balances rounding (eps / h) and truncation (h^4)
     expected = eps ** 0.8 * np.sqrt(d)
-    rows, rhs, nrows, nrhs = [], [], [], []
+    rows, rhs, nrhs = [], [], []
     cond = np.inf
     q = 0
     for _ in range(bases):
@@ -128,13 +129,11 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         D = J_self - J_cross
         rows.append(R)
         rhs.append((U[:, :d - 2].T @ D) / S[:d - 2, None])
-        nrows.append(R)
-        nrhs.append(-R @ x)
+        nrhs.append(-R @ x)                             # x + c0 lies in J_Psi's null space
     A = np.vstack(rows)
     Xinv, *_ = np.linalg.lstsq(A, np.vstack(rhs), rcond=None)     # B^{-1} - c1 (c1^T B^{-1}) (min norm)
     res = float(np.linalg.norm(A @ Xinv - np.vstack(rhs)) / max(np.linalg.norm(np.vstack(rhs)), 1e-300))
-    _, Sa, Va = np.linalg.svd(A, full_matrices=True)
-    c1 = Va[-1]
+    c1 = np.linalg.svd(A, full_matrices=True)[2][-1]
     c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
     if res > CONSISTENCY * expected:
         raise ModelMismatch(
@@ -144,7 +143,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
             threshold=CONSISTENCY * expected)
     X = Xinv + np.outer(c1, np.ones(d)) * (np.linalg.norm(Xinv, 2) / np.sqrt(d))
     B = np.linalg.inv(X)
-    c0, *_ = np.linalg.lstsq(np.vstack(nrows), np.concatenate(nrhs), rcond=None)
+    c0, *_ = np.linalg.lstsq(A, np.concatenate(nrhs), rcond=None)
     c0 = c0 - c1 * (c1 @ c0)
     return ValueSum(B=centre(B), b=centre(B @ c0), Binv=X, c0=c0, c1=c1, residual=res, conditioning=cond,
                     expected=float(expected), step=float(h),
