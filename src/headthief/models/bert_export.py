@@ -169,28 +169,40 @@ def save_bert_attention(layer: CanonicalLayer, path, *, metadata: dict | None = 
     reserved keys cannot be overridden). Returns the report of :func:`bert_attention_tensors` with ``path``.
     Raises :class:`FileNotFoundError` when ``path``'s directory does not exist, :class:`ValueError` as
     :func:`bert_attention_tensors` does."""
-    from safetensors.numpy import save_file
+    path = writable_path(path)
+    layer = _canonical(layer)
+    tensors, report = bert_attention_tensors(layer, dtype=np.float32, return_report=True)
+    reserved = {"format": FORMAT, "heads": str(report["heads"]), "head_dim": str(report["head_dim"]),
+                "hidden_size": str(report["hidden_size"]), "causal": json.dumps(bool(layer.causal)),
+                "c_residual_max": repr(float(report["c_residual_max"]))}
+    write_safetensors(tensors, path, reserved, metadata)
+    return {**report, "path": str(path)}
 
+
+def writable_path(path) -> Path:
+    """``path`` as a Path, after checking its directory exists (before anything is computed or written)."""
     path = Path(os.fspath(path))
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
-    layer = _canonical(layer)
-    tensors, report = bert_attention_tensors(layer, dtype=np.float32, return_report=True)
+    return path
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: Path, reserved: dict[str, str],
+                      metadata: dict | None) -> None:
+    """Save ``tensors`` with ``reserved`` metadata (``reserved["format"]`` names the format) plus the
+    caller's ``metadata`` (non-strings JSON-encoded; a reserved key is a :class:`ValueError`)."""
+    from safetensors.numpy import save_file
+
     meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in (metadata or {}).items()}
-    reserved = {"format": FORMAT, "heads": str(report["heads"]), "head_dim": str(report["head_dim"]),
-                "hidden_size": str(report["hidden_size"]), "causal": json.dumps(bool(layer.causal)),
-                "c_residual_max": repr(float(report["c_residual_max"]))}
     clash = sorted(set(meta) & set(reserved))
     if clash:
-        raise ValueError(f"metadata keys {clash} are reserved by {FORMAT}")
+        raise ValueError(f"metadata keys {clash} are reserved by {reserved['format']}")
     save_file(tensors, str(path), metadata={**meta, **reserved})
-    return {**report, "path": str(path)}
 
 
-def read_bert_attention(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The tensors (numpy float32) and metadata of a file written by :func:`save_bert_attention`; checks
-    the format, the names and the shapes. Needs safetensors only."""
+def read_safetensors(path, fmt: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Tensors (numpy) and metadata of a safetensors file whose metadata says ``format = fmt``."""
     from safetensors import safe_open
 
     path = Path(os.fspath(path))
@@ -199,8 +211,15 @@ def read_bert_attention(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     with safe_open(str(path), framework="numpy") as f:
         meta = dict(f.metadata() or {})
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} file (format = {meta.get('format')!r})")
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path}: not a {fmt} file (format = {meta.get('format')!r})")
+    return tensors, meta
+
+
+def read_bert_attention(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The tensors (numpy float32) and metadata of a file written by :func:`save_bert_attention`; checks
+    the format, the names and the shapes. Needs safetensors only."""
+    tensors, meta = read_safetensors(path, FORMAT)
     H, dh, d = int(meta["heads"]), int(meta["head_dim"]), int(meta["hidden_size"])
     shapes = {n: ((H * dh, d) if n.endswith("weight") and n.startswith("self.") else
                   (d, H * dh) if n == "output.dense.weight" else

@@ -17,12 +17,11 @@ real sentences with :func:`headthief.targets.sentences.sentence_embeddings`.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .bert_export import read_safetensors, writable_path, write_safetensors
 
 FORMAT = "headthief-bert-encoder-1"
 
@@ -47,37 +46,18 @@ def encoder_tensors(blocks) -> dict[str, np.ndarray]:
 def save_bert_encoder(blocks, path, *, metadata: dict | None = None) -> dict[str, Any]:
     """Write :func:`encoder_tensors` of ``blocks`` to ``path`` (safetensors). Raises
     :class:`FileNotFoundError` when the directory does not exist (checked before anything is computed)."""
-    from safetensors.numpy import save_file
-
-    path = Path(os.fspath(path))
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
+    path = writable_path(path)
     blocks = list(blocks)
     tensors = encoder_tensors(blocks)
     reserved = {"format": FORMAT, "layers": str(len(blocks)), "heads": str(blocks[0].heads),
                 "hidden_size": str(blocks[0].d), "intermediate_size": str(blocks[0].ffn)}
-    meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in (metadata or {}).items()}
-    clash = sorted(set(meta) & set(reserved))
-    if clash:
-        raise ValueError(f"metadata keys {clash} are reserved by {FORMAT}")
-    save_file(tensors, str(path), metadata={**meta, **reserved})
+    write_safetensors(tensors, path, reserved, metadata)
     return {"path": str(path), "layers": len(blocks), "tensors": len(tensors)}
 
 
 def read_bert_encoder(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors and metadata of a :func:`save_bert_encoder` file (format checked)."""
-    from safetensors import safe_open
-
-    path = Path(os.fspath(path))
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    with safe_open(str(path), framework="numpy") as f:
-        meta = dict(f.metadata() or {})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} file (format = {meta.get('format')!r})")
-    return tensors, meta
+    return read_safetensors(path, FORMAT)
 
 
 def load_encoder_into_minilm(path):
