@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import InvalidQuery
 from ..oracles.answers import Output
-from .mha import AttentionLayer, evaluate_by_length
+from .mha import AttentionLayer, evaluate_by_length, read_only
 
 BERT_EPS = 1e-12
 ACTIVATIONS = ("gelu", "relu")
@@ -76,12 +76,6 @@ def _activation(name: str, s: np.ndarray) -> np.ndarray:
     if name == "gelu":
         return gelu(s)
     return np.maximum(s, s.dtype.type(0.0))
-
-
-def _ro(a, dtype) -> np.ndarray:
-    a = np.array(a, dtype=dtype)
-    a.setflags(write=False)
-    return a
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,7 +125,7 @@ class BertBlock:
                             ("W2", (d, M)), ("b2", (d,)), ("ln2_gamma", (d,)), ("ln2_beta", (d,))):
             if np.shape(getattr(self, name)) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {np.shape(getattr(self, name))}")
-            object.__setattr__(self, name, _ro(getattr(self, name), dt))
+            object.__setattr__(self, name, read_only(getattr(self, name), dt))
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
 
@@ -353,7 +347,7 @@ class Encoder:
             if np.shape(getattr(self, name)) != (d,):
                 raise ValueError(f"{name} must have shape ({d},), got {np.shape(getattr(self, name))}")
         for name in ("position", "token_type", "ln_gamma", "ln_beta"):
-            object.__setattr__(self, name, _ro(getattr(self, name), dt))
+            object.__setattr__(self, name, read_only(getattr(self, name), dt))
 
     @property
     def d(self) -> int:

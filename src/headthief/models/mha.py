@@ -65,6 +65,13 @@ def _assemble(output: Output, batch, groups_out, d_out: int):
     return out
 
 
+def read_only(a, dtype) -> np.ndarray:
+    """A read-only copy of ``a`` in ``dtype`` (the frozen models' arrays)."""
+    a = np.array(a, dtype=dtype)
+    a.setflags(write=False)
+    return a
+
+
 def evaluate_by_length(model, batch):
     """Answer ``batch`` with ``model.forward`` run once per group of equal-length sequences, packed as
     ``model.output`` says (``model.d_out`` numbers per answer): the ``evaluate`` of every numpy vector model."""
@@ -109,9 +116,7 @@ class AttentionLayer:
             if getattr(self, name).shape != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {getattr(self, name).shape}")
         for name in ("Q", "K", "V", "Wo", "bq", "bk", "bv", "bo"):
-            a = np.array(getattr(self, name), dtype=self.dtype)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, read_only(getattr(self, name), self.dtype))
 
     @property
     def d(self) -> int:
@@ -182,9 +187,7 @@ class CanonicalLayer:
     def __post_init__(self):
         object.__setattr__(self, "output", Output.parse(self.output))
         for name in ("A", "B", "C", "U", "Vt", "b"):
-            a = np.array(getattr(self, name), dtype=np.float64)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, read_only(getattr(self, name), np.float64))
 
     @property
     def d(self) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..oracles.answers import Output
-from .mha import _softmax_rows, evaluate_by_length
+from .mha import _softmax_rows, evaluate_by_length, read_only
 
 _NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -125,9 +125,7 @@ class RopeAttention:
                 raise ValueError(f"{name} is not zero but bias=False (give bias=True for a layer with biases)")
             object.__setattr__(self, name, a)
         for name in ("Q", "K", "V", "Wo", "bq", "bk", "bv", "bo"):
-            a = np.array(getattr(self, name), dtype=self.dtype)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, read_only(getattr(self, name), self.dtype))
 
     # ------------------------------------------------------------------ shape
     @property
