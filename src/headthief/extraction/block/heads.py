@@ -1,0 +1,378 @@
+"""Stage A of the block method: every head's value-output map ``O_h`` and scores ``W_h``, ``c_h``.
+
+LN1 hides the scale and the mean of what it normalises, so the attention output of a sequence is never
+seen whole; what stage A reads instead are **second-order answers at equal tokens**, where the scale is
+known. Take a base token x, a unit direction e and the pair ``[x + t e, x - t e]``. At t = 0 every head's
+weights are uniform; expanding in t, the pre-LN1 vector at the first position is
+
+    pre_1(t) = p0 + t e + t^2 r + t^3 q + O(t^4),    p0 = B x + b,
+    r = sum_h O_h e (e . (W_h x + c_h))                                        (the heads' second-order term)
+
+(scores ``s_ti = x_i^T W_h x_t + c_h . x_i``, as :class:`~headthief.models.mha.CanonicalLayer`), and the
+second position is ``pre_1(-t)``. Two one-token queries with ``pre = p0 +- t e`` exactly (``x +- t B^{-1} e``,
+stage V's B) cancel LN1, the FFN and LN2's own curvature:
+
+    S(t) = y_1(t) + y_2(t) - Psi(x + t B^{-1} e) - Psi(x - t B^{-1} e) = 2 t^2 J_Phi(p0) r + O(t^4),
+
+and Richardson's ``(16 S(t) - S(2 t)) / 24 t^2`` leaves ``J_Phi r`` to O(t^4). ``J_Phi = J_Psi B^{-1}``, with
+``J_Psi`` measured once per base token by the five-point stencil, so each read gives ``B^{-1} r`` modulo
+``J_Psi``'s null space ``span{B^{-1} 1, x + B^{-1} b}``.
+
+Over P base tokens, ``B^{-1} r`` is affine in x: ``A_e x + a_e`` with ``A_e = sum_h (B^{-1} O_h e)(W_h^T e)^T``,
+of **rank H**, and the null spaces leave ``A_e`` modulo ``mu I`` (one scale for all base tokens, fixed by
+that rank) and ``c1 v^T`` (the ones-component of each O_h, LN1's to ignore). From here it is linear algebra:
+
+1. a **read** per direction: ``F_e = [A_e, a_e] = L_e R_e^T`` with ``R_e``'s columns ``[W_h^T; c_h^T] e`` up to
+   an unknown H x H mixing;
+2. **transport**: the cross term of e_0 and e_j (``F_{e0+ej} - F_{e0} - F_{ej}``) relates the mixings of the two
+   reads, so every read's right factors can be expressed in e_0's mixing: the maps ``e -> R(e)[:, k]``
+   are ``sum_h T_hk [W_h^T; c_h^T]`` for one unknown T;
+3. **heads** as a matrix pencil: two random combinations Y1, Y2 of those maps give ``Y1^{-1} Y2`` whose
+   eigenvalues come in H groups of d_h equal ones, one group per head (``W_h`` has rank d_h); each group's
+   eigenprojector cuts its head out of Y1;
+4. ``O_h`` by least squares against every read, each head's scale from ``sum_h P O_h = P B - P``.
+
+Queries: ``4 d P`` one-token queries for the Jacobians and ``6 P (2 d + 1)`` for the reads (output=all; one
+more pair query per read for output=last). Identifiable and returned: ``P O_h`` (ones-component removed,
+LN1's symmetry), ``W_h`` and ``c_h`` (the Q/K and V/O splits are not; heads in any order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import InvalidQuery, ModelMismatch, NotIdentifiable, SpecError
+from ...oracles.answers import Output
+from ...oracles.base import Oracle
+from .value_sum import ValueSum, stencil_derivative, stencil_tokens
+
+LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
+RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
+                         # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Per head: ``O[h] = P O_h`` (d, d; P removes the ones-component), ``W[h]`` (d, d) and ``c[h]`` (d,)
+    with scores ``s_ti = x_i^T W_h x_t + c_h . x_i``; ``info`` holds the stage's figures."""
+
+    O: np.ndarray
+    W: np.ndarray
+    c: np.ndarray
+    info: dict = field(default_factory=dict)
+
+    @property
+    def heads(self) -> int:
+        return int(self.O.shape[0])
+
+
+def _unit(v):
+    return v / np.linalg.norm(v)
+
+
+def one_token_jacobian(oracle: Oracle, x: np.ndarray, h: float, rng: np.random.Generator) -> np.ndarray:
+    """``J_Psi`` at one token x by the five-point stencil along a random orthonormal basis (4 d queries)."""
+    d = x.size
+    Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    T = stencil_tokens(x, Qb, h)
+    Y = np.asarray(oracle.query_packed(T[:, None, :]))
+    return stencil_derivative(Y, d, h) @ Qb
+
+
+def second_order(oracle: Oracle, vs: ValueSum, X: np.ndarray, E: np.ndarray, t: float) -> np.ndarray:
+    """``S(t)`` of the module docstring for every base token (rows of X) and direction (rows of E):
+    (len(E), len(X), d_out)."""
+    k, p, d = len(E), len(X), X.shape[1]
+    x = np.broadcast_to(X[None], (k, p, d)).reshape(-1, d)
+    e = np.broadcast_to(E[:, None], (k, p, d)).reshape(-1, d)
+    up, dn = x + t * e, x - t * e
+    if oracle.output is Output.ALL:
+        Y = np.asarray(oracle.query(np.stack([up, dn], axis=1)))
+        pair = Y[:, 0] + Y[:, 1]
+    else:
+        pair = (np.asarray(oracle.query_packed(np.stack([dn, up], axis=1)))
+                + np.asarray(oracle.query_packed(np.stack([up, dn], axis=1))))
+    w = t * (e @ vs.Binv.T)
+    one = np.asarray(oracle.query_packed(np.concatenate([x + w, x - w])[:, None, :]))
+    S = pair - one[:len(x)] - one[len(x):]
+    return S.reshape(k, p, -1)
+
+
+def richardson(levels, t: float) -> np.ndarray:
+    """Weights w with ``sum_i w_i S(c_i t) = J_Phi r`` exactly for ``S(h) = 2 h^2 J_Phi r + a h^4 + b h^6 + ...``
+    truncated after len(levels) terms (S is even in h)."""
+    c = np.asarray(levels, dtype=float)
+    V = np.stack([(c * t) ** (2 * (i + 1)) for i in range(len(c))])       # rows: h^2, h^4, ...
+    e = np.zeros(len(c))
+    e[0] = 0.5
+    return np.linalg.solve(V, e)
+
+
+def _fit_read(Z: np.ndarray, X: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> tuple[np.ndarray, float]:
+    """``G = [A, a]`` (d, d+1) from pulled-back reads Z (P, d) = ``A x_p + a`` modulo ``c1`` and ``x_p + c0``
+    at base tokens X (P, d): returns G modulo ``mu [P1, P1 c0]`` (fixed later) and the fit's relative residual."""
+    Pn, d = X.shape
+    P1 = np.eye(d) - np.outer(c1, c1)
+    Zc = Z @ P1                                      # rows: P1 z_p
+    Yc = (X + c0) @ P1                               # rows: P1 (x_p + c0)
+    Xh = np.hstack([X, np.ones((Pn, 1))])            # (P, d+1)
+    # Zc = Xh G^T + diag(lam) Yc: eliminate G with the left null space of Xh
+    U, _, _ = np.linalg.svd(Xh, full_matrices=True)
+    N = U[:, d + 1:]                                 # (P, P-d-1): N^T Xh = 0
+    # N^T Zc = N^T diag(lam) Yc  ->  sum_p N[p,k] Yc[p,i] lam_p = (N^T Zc)[k,i]
+    Msys = np.einsum("pk,pi->kip", N, Yc).reshape(-1, Pn)
+    lam, *_ = np.linalg.lstsq(Msys, (N.T @ Zc).reshape(-1), rcond=None)
+    R = Zc - lam[:, None] * Yc
+    Gt, *_ = np.linalg.lstsq(Xh, R, rcond=None)
+    res = float(np.linalg.norm(Xh @ Gt - R) / max(np.linalg.norm(R), 1e-300))
+    return Gt.T, res
+
+
+def _fix_scale(G: np.ndarray, c0: np.ndarray, c1: np.ndarray, H: int) -> tuple[np.ndarray, float, float]:
+    """Remove ``mu [P1, P1 c0]`` from G so that its first d columns have rank H (the heads' count): mu is the
+    eigenvalue of multiplicity d - 1 - H of G's d x d part on the complement of c1. Returns G and the
+    (H+1)-th and H-th singular values over the first (the read's rank figures)."""
+    d = G.shape[0]
+    P1 = np.eye(d) - np.outer(c1, c1)
+    Qc = np.linalg.svd(P1)[0][:, :d - 1]
+    ev = np.linalg.eigvals(Qc.T @ G[:, :d] @ Qc)
+    med = np.median(ev.real)
+    near = np.sort(np.abs(ev - med))
+    keep = ev[np.abs(ev - med) <= near[d - 2 - H]]
+    mu = float(np.mean(keep.real))
+    out = G.copy()
+    out[:, :d] -= mu * P1
+    out[:, d] -= mu * (P1 @ c0)
+    s = np.linalg.svd(out, compute_uv=False)
+    return out, float(s[H] / s[0]), float(s[H - 1] / s[0])
+
+
+def _group(values: np.ndarray, H: int, size: int) -> list[np.ndarray] | None:
+    """Indices of ``values`` in H groups of ``size`` nearly equal ones (cut at the H - 1 largest gaps of the
+    sorted real parts), or None when the groups do not have that size."""
+    order = np.argsort(values.real)
+    v = values.real[order]
+    gaps = np.diff(v)
+    cuts = np.sort(np.argsort(gaps)[::-1][:H - 1]) + 1
+    groups = np.split(order, cuts)
+    if any(len(g) != size for g in groups):
+        return None
+    return groups
+
+
+def _outer(F, Z) -> np.ndarray:
+    """Least squares for P in ``F_k = P Z_k`` over every read."""
+    G = sum(Zk @ Zk.T for Zk in Z)
+    R = sum(Fk @ Zk.T for Fk, Zk in zip(F, Z))
+    return np.linalg.solve(G, R.T).T
+
+
+def _inner(F, dirs, P, V) -> np.ndarray:
+    """Least squares for Q in ``F_k = sum_h P_h Q_h^T e_k v_hk^T`` (v_hk the rows of V[k]) over every read:
+    normal equations ``Omega_hg (x) P_h^T P_g`` with ``Omega_hg = sum_k (v_hk . v_gk) e_k e_k^T``."""
+    H, d, r = P.shape[0], dirs.shape[1], P.shape[2]
+    G = np.zeros((H, d * r, H, d * r))
+    rhs = np.zeros((H, d * r))
+    for g in range(H):
+        for h in range(g, H):
+            w = np.einsum("km,km->k", V[:, h], V[:, g])
+            Om = (dirs * w[:, None]).T @ dirs
+            blk = np.kron(Om, P[h].T @ P[g])
+            G[h, :, g, :] = blk
+            G[g, :, h, :] = blk.T
+    for h in range(H):
+        Xh = sum(P[h].T @ Fk @ np.outer(V[k, h], e) for k, (Fk, e) in enumerate(zip(F, dirs)))   # (r, d)
+        rhs[h] = Xh.reshape(-1, order="F")
+    sol = np.linalg.solve(G.reshape(H * d * r, H * d * r), rhs.reshape(-1)).reshape(H, d * r)
+    return np.stack([sol[h].reshape(r, d, order="F").T for h in range(H)])        # Q_h: (d, r)
+
+
+def _polish(F, dirs, Ot, What, rank: int, *, max_iter: int = 2000, tol: float = 1e-6, patience: int = 5):
+    """Alternating least squares on every read, ``F_e = sum_h P_h (Q_h^T e)(K_h^T e)^T R_h^T`` (``O~_h = P_h
+    Q_h^T``, ``W^_h = R_h K_h^T``, each of rank d_h): four exact least-squares steps per sweep, so the residual
+    never rises; the pencil's estimate refined to the reads' own precision. Stops when ``patience`` sweeps in
+    a row improve it by less than ``tol`` relatively, or after ``max_iter`` sweeps."""
+    H = len(Ot)
+
+    def split(A):
+        U, S, Vt = np.linalg.svd(A, full_matrices=False)
+        return U[:, :rank] * np.sqrt(S[:rank]), Vt[:rank].T * np.sqrt(S[:rank])
+
+    P, Q = map(np.stack, zip(*(split(A) for A in Ot)))
+    R, K = map(np.stack, zip(*(split(A) for A in What)))
+    Ft = [Fk.T for Fk in F]
+
+    def coeff(M):
+        return np.einsum("hdr,kd->khr", M, dirs)                      # (reads, H, r): M_h^T e_k
+
+    def residual():
+        a, b = coeff(Q), coeff(K)
+        num = sum(np.linalg.norm(Fk - sum(np.outer(P[h] @ a[k, h], R[h] @ b[k, h]) for h in range(H))) ** 2
+                  for k, Fk in enumerate(F))
+        return float(np.sqrt(num / sum(np.linalg.norm(Fk) ** 2 for Fk in F)))
+
+    r0 = best = residual()
+    it, stale = 0, 0
+    for it in range(1, max_iter + 1):
+        a, b = coeff(Q), coeff(K)
+        Z = [np.concatenate([np.outer(a[k, h], R[h] @ b[k, h]) for h in range(H)]) for k in range(len(F))]
+        P = _outer(F, Z).reshape(-1, H, rank).transpose(1, 0, 2)
+        V = np.stack([[R[h] @ b[k, h] for h in range(H)] for k in range(len(F))])
+        Q = _inner(F, dirs, P, V)
+        a = coeff(Q)
+        Z = [np.concatenate([np.outer(b[k, h], P[h] @ a[k, h]) for h in range(H)]) for k in range(len(F))]
+        R = _outer(Ft, Z).reshape(-1, H, rank).transpose(1, 0, 2)
+        U = np.stack([[P[h] @ a[k, h] for h in range(H)] for k in range(len(F))])
+        K = _inner(Ft, dirs, R, U)
+        res = residual()
+        if res < best * (1 - tol):
+            best, stale = res, 0
+        else:
+            best, stale = min(best, res), stale + 1
+            if stale >= patience:
+                break
+    Ot = np.einsum("hdr,her->hde", P, Q)
+    What = np.einsum("hdr,her->hde", R, K)
+    return Ot, What, {"polish_sweeps": it, "residual_before_polish": r0, "heads_residual": best}
+
+
+def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum, H: int,
+             rng: np.random.Generator):
+    """Steps 3 to 5 of the module docstring: the heads from the scale-fixed reads ``F`` (one (d, d+1) per
+    direction of ``dirs``: e_0, the rows of E, then e_0 + each row of E). Returns O, W, c and figures."""
+    d = E.shape[0]
+    dh = d // H
+    # 3. factor every read, transport right factors into e_0's mixing
+    def factor(G):
+        U, S, Vt = np.linalg.svd(G, full_matrices=False)
+        return U[:, :H] * S[:H], Vt[:H].T                                 # L (d, H), R (d+1, H)
+
+    L0, R0 = factor(F[0])
+    Rhat, cross = [], 0.0
+    for j in range(d):
+        Lj, Rj = factor(F[1 + j])
+        Xc = F[1 + d + j] - F[0] - F[1 + j]
+        Mb = np.linalg.pinv(np.hstack([L0, Lj])) @ Xc @ np.linalg.pinv(np.hstack([Rj, R0])).T
+        C = Mb[:H, :H]
+        off = np.linalg.norm(Mb[:H, H:]) + np.linalg.norm(Mb[H:, :H])
+        cross = max(cross, float(off / np.linalg.norm(Mb)))
+        Rhat.append(Rj @ C.T)
+    Rhat = np.stack(Rhat)                                                 # (d directions, d+1, H)
+    Wt = np.einsum("jak,jb->kab", Rhat, E)                               # (H, d+1, d): the mixed maps e -> R(e)[:, k]
+
+    # 4. heads from the pencil of two random combinations
+    best = None
+    for _ in range(8):
+        a, bb = rng.standard_normal(H), rng.standard_normal(H)
+        Y1, Y2 = np.tensordot(a, Wt, 1), np.tensordot(bb, Wt, 1)
+        ev, V = np.linalg.eig(np.linalg.solve(Y1[:d], Y2[:d]))
+        groups = _group(ev, H, dh)
+        if groups is None:
+            continue
+        centres = np.array([ev[g].real.mean() for g in groups])
+        spread = max(float(np.ptp(ev[g].real)) for g in groups)
+        sep = float(np.min(np.diff(np.sort(centres)))) if H > 1 else 1.0
+        score = sep / max(spread, 1e-300)
+        if best is None or score > best[0]:
+            best = (score, Y1, V, groups, spread / max(np.ptp(ev.real), 1e-300))
+    if best is None:
+        raise NotIdentifiable(f"the reads' pencil did not split into {H} heads of width {dh} in 8 random tries "
+                              "(heads nearly equal, or the wrong head count)")
+    _, Y1, V, groups, spread = best
+    Vinv = np.linalg.inv(V)
+    What = np.stack([(Y1 @ (V[:, g] @ Vinv[g, :])).real for g in groups])   # (H, d+1, d), each up to a scale
+
+    # 5. O_h against every read: F_e = sum_h (Otilde_h e)(What_h e)^T
+    cols, rhs = [], []
+    for k in range(len(dirs)):
+        e = dirs[k]
+        Rk = np.stack([What[g] @ e for g in range(H)], axis=1)            # (d+1, H)
+        Lk = F[k] @ np.linalg.pinv(Rk).T                                  # (d, H): Otilde_h e
+        cols.append(Lk)
+        rhs.append(e)
+    Lall = np.stack(cols)                                                # (reads, d, H)
+    Dm = np.stack(rhs)                                                   # (reads, d)
+    Ot = np.stack([np.linalg.lstsq(Dm, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
+    Ot, What, polish = _polish(F, dirs, Ot, What, dh)
+    PO = np.einsum("ij,gjk->gik", vs.B, Ot)                              # P O_h up to each head's scale
+    target = vs.B - (np.eye(d) - np.ones((d, d)) / d)
+    kappa, *_ = np.linalg.lstsq(PO.reshape(H, -1).T, target.reshape(-1), rcond=None)
+    sum_res = float(np.linalg.norm(np.tensordot(kappa, PO, 1) - target) / np.linalg.norm(target))
+    O = PO * kappa[:, None, None]
+    Wh = What / kappa[:, None, None]
+    W = np.stack([Wh[g][:d].T for g in range(H)])
+    c = np.stack([Wh[g][d] for g in range(H)])
+    return O, W, c, {**polish, "transport_residual": cross, "pencil_spread": float(spread), "value_sum_residual": sum_res}
+
+
+def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int, precision: float,
+                  scale: float | None = None, points: int | None = None, step: float | None = None,
+                  progress=None) -> Heads:
+    """Stage A (see the module docstring). ``heads`` is H (d_h = d / H); ``precision`` the answers' relative
+    precision; ``scale`` the base tokens' norm (default sqrt(d)); ``points`` the base tokens (default d + 8)."""
+    if not oracle.output.vector:
+        raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    d = oracle.d
+    H = int(heads)
+    if H < 1 or d % H:
+        raise SpecError(f"heads={heads} must divide d={d}")
+    if 2 * H > d - 1:
+        raise NotIdentifiable(f"stage A separates two reads' H-dimensional factors in d - 1 = {d - 1} dimensions: "
+                              f"needs 2 H <= d - 1, got H = {H}")
+    dh = d // H
+    s = float(np.sqrt(d)) if scale is None else float(scale)
+    eps = max(float(precision), 1e-16)
+    Pn = int(points) if points is not None else d + 8
+    if Pn < d + 3:
+        raise ValueError(f"need at least d + 3 = {d + 3} base tokens, got {Pn}")
+    h = s * eps ** 0.2 / np.sqrt(d)
+    t = float(step) if step is not None else 0.8 * eps ** 0.125 * s / np.sqrt(d)
+    expected = eps ** 0.75 * np.sqrt(d)                  # Richardson: rounding eps / t^2 against truncation t^6
+    q0 = oracle.queries
+
+    # 1. base tokens and their one-token Jacobians (row spaces)
+    X = rng.standard_normal((Pn, d))
+    X *= s / np.linalg.norm(X, axis=1, keepdims=True)
+    pulls = []
+    for p in range(Pn):
+        J = one_token_jacobian(oracle, X[p], h, rng)
+        U, S, Vt = np.linalg.svd(J)
+        pulls.append(Vt[:d - 2].T @ (U[:, :d - 2].T / S[:d - 2, None]))     # pseudo-inverse on the row space
+        if progress:
+            progress(1)
+
+    # 2. reads: e_0, the basis e_1..e_d and e_0 + e_j
+    E, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    E = E.T                                                              # rows: orthonormal directions
+    e0 = _unit(rng.standard_normal(d))
+    dirs = np.vstack([e0[None], E, e0[None] + E])                          # (2 d + 1, d)
+    JR = sum(w * second_order(oracle, vs, X, dirs, c * t) for c, w in zip(LEVELS, richardson(LEVELS, t)))
+    if progress:
+        progress(Pn)
+    F, fit_res, ranks, weakest = [], 0.0, 0.0, 1.0
+    for k in range(len(dirs)):
+        Z = np.stack([pulls[p] @ JR[k, p] for p in range(Pn)])            # B^{-1} r modulo the null space
+        G, res = _fit_read(Z, X, vs.c0, vs.c1)
+        G, rank, last = _fix_scale(G, vs.c0, vs.c1, H)
+        F.append(G)
+        fit_res, ranks, weakest = max(fit_res, res), max(ranks, rank), min(weakest, last)
+    worst = max(ranks, fit_res)
+    if worst > RANK_TOLERANCE * expected:
+        raise ModelMismatch(
+            f"the second-order reads are not those of {H} softmax heads: relative fit residual {fit_res:.3g} across "
+            f"base tokens, (H+1)-th singular value {ranks:.3g} of the first; allowed {RANK_TOLERANCE:g} x the reads' "
+            f"nominal precision {expected:.2g} (another head count, or scores of another form?)",
+            check="head rank", figure=worst, threshold=RANK_TOLERANCE * expected)
+
+    if weakest <= RANK_TOLERANCE * expected:
+        raise ModelMismatch(
+            f"a second-order read has rank below H = {H} (its H-th singular value is {weakest:.3g} of the first, within "
+            f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}): fewer than {H} heads act in this block",
+            check="head rank", figure=weakest, threshold=RANK_TOLERANCE * expected)
+    O, W, c, sep = separate(F, dirs, E, vs, H, rng)
+    info = {"queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs), "step": t, "stencil_step": h,
+            "expected": float(expected), "read_fit_residual": fit_res, "read_rank": ranks, "read_weakest": weakest,
+            **sep, "fitted": []}
+    return Heads(O=O, W=W, c=c, info=info)
