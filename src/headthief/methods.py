@@ -374,7 +374,36 @@ METHODS["vector"] = Method(
     "ours: a multi-head attention layer with output projection from vector (hidden-state) answers: d + 1 "
     "one-token queries for sum_h O_h and b, saturated two-token maps that split the heads' output spaces "
     "(--heads auto finds H), soft anchor queries for every W_h and c_h (--causal: a py: box declared causal)")
-VECTOR_METHODS = {"vector"}
+
+
+def _block_sizes(target, args) -> tuple[int | None, int | None]:
+    heads = _heads_arg(args)
+    info = (target.info or {}) if target is not None else {}
+    ffn = getattr(args, "ffn", None) or info.get("ffn")
+    return heads, (int(ffn) if ffn is not None else None)
+
+
+def _run_block(oracle, target, args, progress, clean=None):
+    from .extraction.block.extract import extract_block
+    heads, ffn = _block_sizes(target, args)
+    if ffn is None:
+        raise SpecError(f"--method block needs the FFN's width: give --ffn M ({target.spec} does not publish it)")
+    return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
+                         progress=progress)
+
+
+def _expected_block(target, args):
+    from .extraction.block.extract import expected_queries
+    heads, ffn = _block_sizes(target, args)
+    return expected_queries(target.d, heads or 1, ffn) if ffn else None
+
+
+METHODS["block"] = Method(
+    _run_block, _expected_block,
+    "ours: a whole post-LN BERT block (attention, LN1, GELU FFN, LN2) from vector answers at every position: "
+    "LN2 from the answers' ellipsoid, B = I + sum_h O_h V_h from Jacobians, LN1 and every neuron from Jacobians "
+    "on LN1's sphere, every head from second-order reads at equal tokens (--heads H|auto, --ffn M)")
+VECTOR_METHODS = {"vector", "block"}
 
 
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is

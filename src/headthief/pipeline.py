@@ -81,6 +81,7 @@ class Options:
     probes: str = "basis"
     scales: str = "adaptive"
     heads: str = "auto"
+    ffn: int | None = None
     max_heads: int = 16
     subspace_bases: str | None = None
     rank: str = "auto"
@@ -121,7 +122,8 @@ SETTING_METHODS: dict[str, set[str]] = {
     "rank": {"lowrank", "rop", "multihead"},
     "oversample": {"lowrank"},
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
-    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector"},
+    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block"},
+    "ffn": {"block"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
     "sphere_queries": {"membership-paper"}, "eps_W": {"membership-paper"},
@@ -193,7 +195,8 @@ def auto_method(target: Target, opts: Options) -> str:
     from .methods import published_output
     out = published_output(target)
     if getattr(target, "output", "value") in ("last", "all"):
-        return "vector"
+        return "block" if target.spec.split(":", 1)[0] in ("bert-block", "minilm-block", "minilm-block-hf") \
+            else "vector"
     if opts.sign_only or out == "sign":
         return "membership"
     if opts.noise is not None or opts.noise_mode is not None or out.startswith(("noisy:", "rounded:")):
@@ -381,11 +384,15 @@ def _comparable(res, truth) -> bool:
     how the target behaved."""
     if truth is None:
         return False
+    from .extraction.block.extract import BlockExtraction
     from .extraction.vector import VectorExtraction
+    from .models.bert_block import BertBlock
     from .models.mha import CanonicalLayer
     from .models.multihead import MultiHeadAttention
     if isinstance(res, VectorExtraction):
         return isinstance(truth, CanonicalLayer)
+    if isinstance(res, BlockExtraction):
+        return isinstance(truth, BertBlock) and truth.activation == "gelu"
     return isinstance(truth, MultiHeadAttention) == hasattr(res, "V")
 
 
@@ -566,7 +573,7 @@ def _open_journal(opts: Options, warnings: list[str]):
 # The settings that change which queries a run asks: a journal resumes only a run with the same ones.
 FINGERPRINT = ("d", "bias", "probes", "scales", "rank", "oversample", "solver", "measurements", "oversampling",
                "noise", "noise_mode", "sign_only", "sphere_queries", "eps_W", "W_bound", "mu", "extra_probes",
-               "input_norm", "heads", "max_heads", "subspace_bases")
+               "input_norm", "heads", "max_heads", "subspace_bases", "ffn")
 
 
 def fingerprint(opts: Options) -> dict:

@@ -45,7 +45,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="skip the model check (the identities before, the fidelity verdict after)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     # multi-head methods
-    e.add_argument("--heads", default="auto", help="multihead, vector: the number of heads, or 'auto' (default)")
+    e.add_argument("--heads", default="auto", help="multihead, vector, block: the number of heads, or 'auto' (default)")
+    e.add_argument("--ffn", type=int, default=None, metavar="M",
+                   help="block: the FFN's width (default: what the target publishes, e.g. bert-block:ffn=M)")
     e.add_argument("--max-heads", dest="max_heads", type=int, default=16,
                    help="multihead: the most heads --heads auto accepts (default 16)")
     e.add_argument("--subspace-bases", dest="subspace_bases", metavar="FILE.npy", default=None,

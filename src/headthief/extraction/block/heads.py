@@ -149,6 +149,33 @@ def _fix_scale(G: np.ndarray, c0: np.ndarray, c1: np.ndarray, H: int) -> tuple[n
     return out, float(s[H] / s[0]), float(s[H - 1] / s[0])
 
 
+def _check_heads(H: int, d: int) -> None:
+    if H < 1 or d % H:
+        raise SpecError(f"heads={H} must divide d={d}")
+    if 2 * H > d - 1:
+        raise NotIdentifiable(f"stage A separates two reads' H-dimensional factors in d - 1 = {d - 1} dimensions: "
+                              f"needs 2 H <= d - 1, got H = {H}")
+
+
+def count_heads(G: list[np.ndarray], c0: np.ndarray, c1: np.ndarray, tol: float) -> int:
+    """The head count from unfixed reads: after removing the scale gauge at the median eigenvalue (the
+    eigenvalue of multiplicity d - 1 - H, a majority while 2 H < d - 1), each read's rank is H; the most
+    common rank over the reads (singular values above ``tol`` of the largest)."""
+    d = c1.size
+    P1 = np.eye(d) - np.outer(c1, c1)
+    Qc = np.linalg.svd(P1)[0][:, :d - 1]
+    counts = []
+    for Gk in G:
+        mu = float(np.median(np.linalg.eigvals(Qc.T @ Gk[:, :d] @ Qc).real))
+        A = Gk.copy()
+        A[:, :d] -= mu * P1
+        A[:, d] -= mu * (P1 @ c0)
+        sv = np.linalg.svd(A, compute_uv=False)
+        counts.append(int(np.sum(sv > tol * sv[0])))
+    vals, freq = np.unique(counts, return_counts=True)
+    return int(vals[np.argmax(freq)])
+
+
 def _group(values: np.ndarray, H: int, size: int) -> list[np.ndarray] | None:
     """Indices of ``values`` in H groups of ``size`` nearly equal ones (cut at the H - 1 largest gaps of the
     sorted real parts), or None when the groups do not have that size."""
@@ -307,21 +334,16 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     return O, W, c, {**polish, "transport_residual": cross, "pencil_spread": float(spread), "value_sum_residual": sum_res}
 
 
-def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int, precision: float,
+def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int | None, precision: float,
                   scale: float | None = None, points: int | None = None, step: float | None = None,
                   progress=None) -> Heads:
-    """Stage A (see the module docstring). ``heads`` is H (d_h = d / H); ``precision`` the answers' relative
+    """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: the reads' rank); ``precision`` the answers' relative
     precision; ``scale`` the base tokens' norm (default sqrt(d)); ``points`` the base tokens (default d + 8)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     d = oracle.d
-    H = int(heads)
-    if H < 1 or d % H:
-        raise SpecError(f"heads={heads} must divide d={d}")
-    if 2 * H > d - 1:
-        raise NotIdentifiable(f"stage A separates two reads' H-dimensional factors in d - 1 = {d - 1} dimensions: "
-                              f"needs 2 H <= d - 1, got H = {H}")
-    dh = d // H
+    if heads is not None:
+        _check_heads(int(heads), d)
     s = float(np.sqrt(d)) if scale is None else float(scale)
     eps = max(float(precision), 1e-16)
     Pn = int(points) if points is not None else d + 8
@@ -340,8 +362,6 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
         J = one_token_jacobian(oracle, X[p], h, rng)
         U, S, Vt = np.linalg.svd(J)
         pulls.append(Vt[:d - 2].T @ (U[:, :d - 2].T / S[:d - 2, None]))     # pseudo-inverse on the row space
-        if progress:
-            progress(1)
 
     # 2. reads: e_0, the basis e_1..e_d and e_0 + e_j
     E, _ = np.linalg.qr(rng.standard_normal((d, d)))
@@ -349,12 +369,14 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     e0 = _unit(rng.standard_normal(d))
     dirs = np.vstack([e0[None], E, e0[None] + E])                          # (2 d + 1, d)
     JR = sum(w * second_order(oracle, vs, X, dirs, c * t) for c, w in zip(LEVELS, richardson(LEVELS, t)))
-    if progress:
-        progress(Pn)
+    fits = [_fit_read(np.stack([pulls[p] @ JR[k, p] for p in range(Pn)]), X, vs.c0, vs.c1)
+            for k in range(len(dirs))]                                       # B^{-1} r modulo the null space
+    H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, vs.c1,
+                                                           RANK_TOLERANCE * expected)
+    if heads is None:
+        _check_heads(H, d)
     F, fit_res, ranks, weakest = [], 0.0, 0.0, 1.0
-    for k in range(len(dirs)):
-        Z = np.stack([pulls[p] @ JR[k, p] for p in range(Pn)])            # B^{-1} r modulo the null space
-        G, res = _fit_read(Z, X, vs.c0, vs.c1)
+    for G, res in fits:
         G, rank, last = _fix_scale(G, vs.c0, vs.c1, H)
         F.append(G)
         fit_res, ranks, weakest = max(fit_res, res), max(ranks, rank), min(weakest, last)
@@ -372,7 +394,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
             f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}): fewer than {H} heads act in this block",
             check="head rank", figure=weakest, threshold=RANK_TOLERANCE * expected)
     O, W, c, sep = separate(F, dirs, E, vs, H, rng)
-    info = {"queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs), "step": t, "stencil_step": h,
+    info = {"heads_detected": heads is None, "queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs), "step": t, "stencil_step": h,
             "expected": float(expected), "read_fit_residual": fit_res, "read_rank": ranks, "read_weakest": weakest,
             **sep, "fitted": []}
     return Heads(O=O, W=W, c=c, info=info)

@@ -1,0 +1,51 @@
+"""``--method block`` end to end on random BERT blocks (issue 19's first acceptance line) and, with
+``--relu`` / ``--stack``, the model-class refusals: the pipeline as ``headthief extract`` runs it.
+
+    python benchmarks/bench_block.py                       # bert-block:d=32,heads=4,ffn=128, seeds 1..10
+    python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 900 920
+
+Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
+the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import headthief as ht
+
+PARTS = ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "b_rel_err", "ln1_gamma_rel_err", "W1_rel_err",
+         "W2_rel_err", "ffn_bias_rel_err", "O_rel_err", "W_rel_err", "c_rel_err")
+SHORT = ("g2", "be2", "B", "b", "g1", "W1", "W2", "fb", "O_h", "W_h", "c_h")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--seeds", nargs=2, type=int, default=[1, 11], metavar=("FIRST", "STOP"))
+    ap.add_argument("--dtype", default="float64")
+    args = ap.parse_args()
+    print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit")
+    ok = 0
+    seeds = range(*args.seeds)
+    for seed in seeds:
+        spec = f"bert-block:d={args.d},heads={args.heads},ffn={args.ffn},seed={seed}" + (
+            f",dtype={args.dtype}" if args.dtype != "float64" else "")
+        t = time.perf_counter()
+        rep = ht.extract(spec, "block", raise_errors=False)
+        r = rep.row
+        errs = [r.get(k) for k in PARTS]
+        good = rep.exit_code == 0 and all(e is not None and e <= 1e-8 for e in errs)
+        ok += good
+        cells = " ".join(f"{e:8.1e}" if e is not None else "       -" for e in errs)
+        fid = r.get("fidelity_max_rel_err")
+        print(f"{seed:4d} {cells}  {fid if fid is None else f'{fid:8.1e}'} {r.get('queries', r.get('queries_sent', 0)):8d} "
+              f"{time.perf_counter() - t:7.1f}  {rep.exit_code}" + (f"  {rep.error}" if rep.error else ""), flush=True)
+    print(f"every part within 1e-8: {ok}/{len(seeds)}")
+
+
+if __name__ == "__main__":
+    main()

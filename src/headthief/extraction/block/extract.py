@@ -1,0 +1,306 @@
+"""``--method block``: a whole post-LN BERT encoder block from vector answers at every position.
+
+The stages, in order (each module's docstring has the mathematics):
+
+1. **L** (:mod:`.layernorm`): LN2's gamma and beta from answers to random sequences;
+2. **activation** (:mod:`.smoothness`): GELU, not a piecewise-linear activation (a ReLU is a ModelMismatch);
+3. **V** (:mod:`.value_sum`): ``B = I + sum_h O_h V_h`` and ``b`` modulo the ones-vector;
+4. **F** (:mod:`.ffn`): LN1 and every GELU neuron, then the one-token model check;
+5. **A** (:mod:`.heads`): every head's ``O_h``, ``W_h``, ``c_h`` from second-order reads at equal tokens.
+
+The parts are assembled into a :class:`~headthief.models.bert_block.BertBlock` (a canonical representative:
+``beta_1 = 0`` with ``beta_1 + b_2`` and ``W_1 beta_1 + b_1`` carried by b_2, b_1; the global scale of LN2's
+input fixed by ``|gamma_1| = sqrt(d)``; ``K_h = sqrt(d_h) A_h^T``, ``Q_h = B_h^T`` for ``W_h = A_h B_h^T``;
+``b_K = b_V = 0``), which answers like the target and is checked on fresh sequences of 1 to 16 tokens.
+
+Genuine symmetries (what no query can tell apart, and the comparison with a truth goes modulo): head
+permutation; the Q/K split of ``W_h`` and the V/O split of ``O_h``; each ``O_h`` and ``B`` modulo a
+ones-row (LN1 ignores a ones-vector added to its input); LN2's input scale s (``gamma_1, beta_1 + b_2,
+W_2`` times s); ``beta_1`` vs ``b_1, b_2`` (only ``W_1 beta_1 + b_1`` and ``beta_1 + b_2`` act); ``W_1`` modulo
+``v (1/gamma_1)^T`` on LN1's image; FFN neuron permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable, SpecError
+from ...oracles.base import Oracle
+from ..check import counters, cost
+from ..precision import ModelCheck, answer_kind
+from ..result import Fidelity, freeze_fields
+from .ffn import FFNPart, check_one_token, extract_ffn
+from .heads import Heads, extract_heads
+from .layernorm import OutputLayerNorm, fit_output_layernorm
+from .smoothness import check_smooth_activation
+from .value_sum import ValueSum, centre, value_sum
+
+MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
+SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
+CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
+
+
+@dataclass(frozen=True, eq=False)
+class BlockExtraction:
+    """What ``--method block`` recovered: ``block`` (the canonical representative, float64) and the stages'
+    parts, what it cost, the figures per stage and the model check."""
+
+    block: Any
+    ln: OutputLayerNorm
+    value: ValueSum
+    ffn: FFNPart
+    attention: Heads
+    queries: int
+    seconds: float
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    check: Any = None
+    method: str = "block"
+
+    def __post_init__(self):
+        freeze_fields(self, ())
+
+    @property
+    def d(self) -> int:
+        return self.block.d
+
+    @property
+    def heads(self) -> int:
+        return self.block.heads
+
+    @property
+    def rank(self) -> int:
+        return self.block.head_dim
+
+    def predict(self, batch):
+        return self.block.evaluate(batch)
+
+    def verify(self, oracle: Oracle, n: int = 256, *, rng=0, max_len: int = 16) -> Fidelity:
+        return block_fidelity(self.block, oracle, n, rng=rng, max_len=max_len)
+
+    def errors(self, truth) -> dict[str, Any]:
+        return block_errors(self, truth)
+
+    def save(self, path) -> None:
+        """``.safetensors``: the block under transformers' ``BertLayer`` names (loadable into ``BertLayer``);
+        anything else: the same tensors with ``numpy.savez``."""
+        p = str(path)
+        tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.block.state_dict().items()}
+        if p.endswith(".safetensors"):
+            from ...models.bert_export import writable_path, write_safetensors
+            write_safetensors(tensors, writable_path(p), {"format": SAVE_FORMAT, "heads": str(self.heads),
+                                                          "ffn": str(self.block.ffn)}, None)
+            return
+        np.savez(p, **{k.replace(".", "/"): v for k, v in tensors.items()})
+
+
+def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
+    """The canonical :class:`~headthief.models.bert_block.BertBlock` of the parts (module docstring)."""
+    from ...models.bert_block import BertBlock
+    from ...models.mha import AttentionLayer
+    H, d = att.heads, vs.B.shape[0]
+    dh = d // H
+    Q, K, V, bq, Wo = (np.zeros((H, dh, d)), np.zeros((H, dh, d)), np.zeros((H, dh, d)), np.zeros((H, dh)),
+                       np.zeros((d, d)))
+    for h in range(H):
+        U, S, Vt = np.linalg.svd(att.W[h])
+        A = U[:, :dh] * np.sqrt(S[:dh])
+        Bm = Vt[:dh].T * np.sqrt(S[:dh])
+        K[h] = np.sqrt(dh) * A.T
+        Q[h] = Bm.T
+        bq[h] = np.linalg.lstsq(A, att.c[h], rcond=None)[0]
+        U, S, Vt = np.linalg.svd(att.O[h])
+        Wo[:, h * dh:(h + 1) * dh] = U[:, :dh] * S[:dh]
+        V[h] = Vt[:dh]
+    layer = AttentionLayer(Q=Q, K=K, V=V, Wo=Wo, bq=bq, bk=np.zeros((H, dh)), bv=np.zeros((H, dh)), bo=vs.b,
+                           output="all")
+    return BertBlock(attention=layer, ln1_gamma=ffn.gamma, ln1_beta=np.zeros(d), W1=ffn.W1m / ffn.gamma[None, :],
+                     b1=ffn.b1m, W2=ffn.W2, b2=ffn.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
+                     info={"recovered": True})
+
+
+def _fresh(d: int, n: int, rng: np.random.Generator, max_len: int, norm: float):
+    lens = rng.integers(1, max_len + 1, size=n)
+    out = []
+    for N in lens:
+        X = rng.standard_normal((int(N), d))
+        out.append(X * (norm / np.linalg.norm(X, axis=1, keepdims=True)))
+    return out
+
+
+def block_fidelity(block, oracle: Oracle, n: int, *, rng=0, max_len: int = 16) -> Fidelity:
+    """Largest error of any answered number on ``n`` fresh sequences (1 to ``max_len`` tokens of norm
+    sqrt(d), or half the input-norm bound) over the rms of the answers."""
+    from ...oracles.answers import pack
+    rng = np.random.default_rng(rng)
+    R = oracle.input_norm
+    norm = float(np.sqrt(oracle.d)) if R is None else min(float(np.sqrt(oracle.d)), 0.5 * R)
+    batch = _fresh(oracle.d, n, rng, max_len, norm)
+    before = oracle.queries
+    y = oracle.query_packed(batch)
+    yh = pack(oracle.output, block.evaluate(batch), batch, block.d_out)
+    rms = float(np.sqrt(np.mean(y ** 2)))
+    err = float(np.max(np.abs(yh - y)))
+    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms,
+                    max_rel_err=err / max(rms, 1e-300))
+
+
+def _rel(a, b) -> float:
+    nb = float(np.linalg.norm(b))
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b))) / (nb if nb > 0 else 1.0)
+
+
+def block_errors(res: BlockExtraction, truth) -> dict[str, Any]:
+    """Relative errors of every recovered part against a :class:`BertBlock` truth, modulo the symmetries of
+    the module docstring (heads matched by the Hungarian method on ``P O_h``, neurons by their W_1 rows)."""
+    from scipy.optimize import linear_sum_assignment
+    d = truth.d
+    P = np.eye(d) - 1.0 / d
+    sign = 1.0 if float(res.ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
+    out: dict[str, Any] = {
+        "ln2_gamma_rel_err": _rel(sign * res.ln.gamma, truth.ln2_gamma),
+        "ln2_beta_rel_err": _rel(res.ln.beta, truth.ln2_beta),
+    }
+    B, b = truth.value_output_sum()
+    out["B_rel_err"] = _rel(res.value.B, centre(B))
+    out["b_rel_err"] = _rel(res.value.b, centre(b))
+    can = truth.attention.canonical()
+    H = truth.heads
+    att = res.attention
+    cost_m = np.array([[_rel(att.O[i], centre(can.O(j))) for j in range(H)] for i in range(att.heads)])
+    rows, cols = linear_sum_assignment(cost_m)
+    per = []
+    for i, j in zip(rows, cols):
+        per.append({"head": int(j), "recovered_as": int(i), "O_rel_err": _rel(att.O[i], centre(can.O(j))),
+                    "W_rel_err": _rel(att.W[i], can.W(j)), "c_rel_err": _rel(att.c[i], can.C[j])})
+    per.sort(key=lambda r: r["head"])
+    for k in ("O_rel_err", "W_rel_err", "c_rel_err"):
+        out[k] = max(r[k] for r in per)
+    g1 = np.asarray(truth.ln1_gamma, dtype=np.float64)
+    s = float(res.ffn.gamma @ g1 / (g1 @ g1))                          # LN2's input scale (a symmetry)
+    out["ln1_gamma_rel_err"] = _rel(res.ffn.gamma, s * g1)
+    W1t = np.asarray(truth.W1, np.float64) @ np.diag(g1) @ P
+    b1t = np.asarray(truth.W1, np.float64) @ np.asarray(truth.ln1_beta, np.float64) + np.asarray(truth.b1, np.float64)
+    W2t = s * P @ np.asarray(truth.W2, np.float64)
+    cost_n = np.array([[_rel(w, wt) for wt in W1t] for w in res.ffn.W1m])
+    r_, c_ = linear_sum_assignment(cost_n)
+    out["W1_rel_err"] = max(_rel(res.ffn.W1m[i], W1t[j]) for i, j in zip(r_, c_))
+    out["b1_abs_err"] = max(abs(float(res.ffn.b1m[i] - b1t[j])) for i, j in zip(r_, c_))
+    out["W2_rel_err"] = max(_rel(P @ res.ffn.W2[:, i], W2t[:, j]) for i, j in zip(r_, c_))
+    out["ffn_bias_rel_err"] = _rel(res.ffn.c, s * P @ (np.asarray(truth.ln1_beta, np.float64)
+                                                       + np.asarray(truth.b2, np.float64)))
+    out["heads_found"], out["heads_true"] = att.heads, H
+    out["per_head"] = per
+    return out
+
+
+def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> np.ndarray:
+    d = oracle.d
+    N = 16
+    k = -(-(2 * d + 8) // N)
+    X = rng.standard_normal((k, N, d))
+    X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
+    return np.asarray(oracle.query_packed(X)), X
+
+
+def expected_queries(d: int, heads: int, ffn: int) -> int:
+    """The planned query count (output=all) for the progress bar."""
+    T = max(5 * (ffn + 1), 2 * d)
+    Pn = d + 8
+    return (-(-(2 * d + 8) // 16) + 3 * 8 * d + 4 * 64 + (4 * (d - 2) + 1) * T + 64
+            + 4 * d * Pn + 3 * 3 * Pn * (2 * d + 1) + 256)
+
+
+def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
+                  check: bool = True, verify: int = 256, check_rng=0, progress=None) -> BlockExtraction:
+    """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences.
+    ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width."""
+    if not oracle.output.vector:
+        raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    rng = np.random.default_rng(rng)
+    d = oracle.d
+    if ffn is None or int(ffn) < 1:
+        raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
+    t0 = time.perf_counter()
+    before = counters(oracle)
+    R = oracle.input_norm
+    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
+    stages: dict[str, Any] = {}
+
+    def mark(name, q0):
+        stages[name] = int(oracle.queries - q0)
+        if progress is not None:
+            progress(stages[name])
+
+    q0 = oracle.queries
+    Y, X_ln = _answers_for_ln(oracle, rng, scale)
+    ln = fit_output_layernorm(Y)
+    kind = answer_kind(oracle, Y)                 # float64, float32 (read from the answers), or a tolerance
+    eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))
+    mark("L", q0)
+    q0 = oracle.queries
+    act = check_smooth_activation(oracle, rng, precision=eps, scale=scale)
+    mark("activation", q0)
+    q0 = oracle.queries
+    vs = value_sum(oracle, rng, precision=eps, scale=scale)
+    mark("V", q0)
+    q0 = oracle.queries
+    part = extract_ffn(oracle, ln, vs, rng, ffn=int(ffn), precision=eps)
+    one = check_one_token(oracle, part, ln, vs, rng, precision=eps, scale=scale)
+    mark("F", q0)
+    q0 = oracle.queries
+    att = extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale)
+    mark("A", q0)
+    block = assemble(ln, vs, part, att)
+    # the parts' own precision on answers already paid for: stage L's sequences (every position)
+    Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
+    insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
+    spent = int(oracle.queries - before["queries"])
+    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()}, "activation_ratio": act.ratio, "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
+            "value_sum_residual": vs.residual, "value_sum_conditioning": vs.conditioning,
+            "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
+            "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
+            "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
+            "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,
+            "fitted": "FFN span (iterated), neuron profiles (1-D fits), heads (alternating least squares); "
+                      "the rest exact algebra",
+            **cost(oracle, before)}
+    res = BlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att, queries=spent,
+                          seconds=time.perf_counter() - t0, diagnostics=diag)
+    if not check:
+        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+    return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
+
+
+def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed) -> ModelCheck:
+    kind = oracle.output.describe(oracle.d_out)
+    if n <= 0:
+        return ModelCheck("unchecked", MODEL, kind, detail="no fresh sequences asked (verify n = 0)")
+    try:
+        f = res.verify(oracle, n, rng=seed)
+    except BudgetExceeded as e:
+        return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
+    parts = max(float(res.diagnostics["one_token_fidelity"]), float(res.diagnostics["heads_residual"]), 30.0 * eps,
+                1e-13)
+    threshold = CHECK_FACTOR * max(insample, parts)
+    ok = f.max_rel_err <= threshold and insample <= CHECK_FACTOR * parts
+    detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to 16 tokens (every position); threshold "
+              f"{threshold:.3g}: {CHECK_FACTOR}x the larger of the error on stage L's answers ({insample:.3g}) and the "
+              f"parts' own precision ({parts:.3g}: one-token fidelity, the heads' residual, 30x the answers' "
+              f"precision {eps:.2g})" + ("" if insample <= CHECK_FACTOR * parts else
+                                         f"; the error on stage L's answers is itself above {CHECK_FACTOR}x the parts'"))
+    mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
+    if not ok:
+        err = ModelMismatch(f"the target does not behave like {MODEL}: {detail}", check="fidelity",
+                            figure=f.max_rel_err, threshold=threshold)
+        err.model_check = mc
+        err.result = dataclasses.replace(res, check=mc)
+        raise err
+    return mc
+
+
+__all__ = ["BlockExtraction", "assemble", "block_errors", "block_fidelity", "expected_queries", "extract_block"]
