@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import headthief as ht
-from headthief.errors import ModelMismatch, SpecError
+from headthief.errors import ModelMismatch, NotIdentifiable, SpecError
 from headthief.extraction.block import centre, value_sum
 from headthief.extraction.block.heads import extract_heads, richardson
 from headthief.models.bert_block import random_block
@@ -50,7 +50,7 @@ def test_stage_a_recovers_every_head(seed):
     before = oracle.queries
     att = extract_heads(oracle, vs, rng, heads=None, precision=2.0 ** -53)      # H read from the reads' rank
     assert att.heads == H and att.info["heads_detected"]
-    P = D + 8
+    P = 2 * D + 8
     assert oracle.queries - before == att.info["queries"] == 4 * D * P + 3 * 3 * P * (2 * D + 1)   # output=all
     # the heads are as precise as the reads let them be: the ALS residual (the reads' precision, ~1e-10) times
     # the conditioning of the heads in the reads (measured 1.7x to 16x on seeds 31, 32, 44..46 at d = 16)
@@ -68,17 +68,20 @@ def test_stage_a_from_the_last_position_only():
 
 
 def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
-    block = random_block(32, 4, 64, seed=34)
+    block = random_block(24, 4, 48, seed=34)
     oracle = ModelOracle(block)
     rng = np.random.default_rng(34)
     vs = value_sum(oracle, rng, precision=2.0 ** -53)
+    few = dict(precision=2.0 ** -53, points=27)                          # the fewest base tokens (d + 3): cheap
     with pytest.raises(ModelMismatch, match="not those of 2 softmax heads") as e:
-        extract_heads(oracle, vs, rng, heads=2, precision=2.0 ** -53)
+        extract_heads(oracle, vs, rng, heads=2, **few)
     assert e.value.check == "head rank" and e.value.figure > 0.1
     with pytest.raises(ModelMismatch, match="fewer than 8 heads"):
-        extract_heads(oracle, vs, np.random.default_rng(35), heads=8, precision=2.0 ** -53)
+        extract_heads(oracle, vs, np.random.default_rng(35), heads=8, **few)
     with pytest.raises(SpecError, match="must divide"):
-        extract_heads(oracle, vs, rng, heads=5, precision=2.0 ** -53)
+        extract_heads(oracle, vs, rng, heads=5, **few)
+    with pytest.raises(NotIdentifiable, match="2 H <= d - 1"):
+        extract_heads(oracle, vs, rng, heads=12, **few)
 
 
 def test_method_block_recovers_every_part_and_passes_its_check():

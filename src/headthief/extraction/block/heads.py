@@ -32,9 +32,10 @@ that rank) and ``c1 v^T`` (the ones-component of each O_h, LN1's to ignore). Fro
    eigenprojector cuts its head out of Y1;
 4. ``O_h`` by least squares against every read, each head's scale from ``sum_h P O_h = P B - P``.
 
-Queries: ``4 d P`` one-token queries for the Jacobians and ``6 P (2 d + 1)`` for the reads (output=all; one
-more pair query per read for output=last). Identifiable and returned: ``P O_h`` (ones-component removed,
-LN1's symmetry), ``W_h`` and ``c_h`` (the Q/K and V/O splits are not; heads in any order).
+Queries: ``4 d P`` one-token queries for the Jacobians and ``9 P (2 d + 1)`` for the reads (three step sizes,
+output=all; three more pair queries per read for output=last); P = 2 d + 8 base tokens by default.
+Identifiable and returned: ``P O_h`` (ones-component removed, LN1's symmetry), ``W_h`` and ``c_h`` (the
+Q/K and V/O splits are not; heads in any order).
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
                   scale: float | None = None, points: int | None = None, step: float | None = None,
                   progress=None) -> Heads:
     """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: the reads' rank); ``precision`` the answers' relative
-    precision; ``scale`` the base tokens' norm (default sqrt(d)); ``points`` the base tokens (default d + 8)."""
+    precision; ``scale`` the base tokens' norm (default sqrt(d)); ``points`` the base tokens (default 2 d + 8: d + 8 left two d = 16 seeds at 1.1e-8 and 1.4e-8)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     d = oracle.d
@@ -346,7 +347,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
         _check_heads(int(heads), d)
     s = float(np.sqrt(d)) if scale is None else float(scale)
     eps = max(float(precision), 1e-16)
-    Pn = int(points) if points is not None else d + 8
+    Pn = int(points) if points is not None else 2 * d + 8
     if Pn < d + 3:
         raise ValueError(f"need at least d + 3 = {d + 3} base tokens, got {Pn}")
     h = s * eps ** 0.2 / np.sqrt(d)
