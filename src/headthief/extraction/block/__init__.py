@@ -8,18 +8,23 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
 * :mod:`.smoothness`: the activation check (GELU is smooth; a ReLU's kinks are a ModelMismatch);
 * :mod:`.ffn` (stage F): LN1 and the GELU FFN (every neuron) from the span of finite-difference
   Jacobians on LN1's sphere, once stages L and V make LN1's output choosable; checked on fresh one-token queries;
+* :mod:`.heads` (stage A): every head's ``P O_h``, ``W_h``, ``c_h`` from second-order reads at equal tokens;
+* :mod:`.extract`: ``--method block``, the stages in order, the assembled block and its model check;
 * :mod:`.embeddings` (the encoder's stage E): LN_emb and the position offsets from ``hidden_states[0]``,
   and inputs_embeds that put any wanted point of LN_emb's image into block 0.
 
-Not built: the per-head split of the attention and its scores. See ``docs/block.md``.
+Not built: ``--method encoder`` (the inversion of extracted blocks), float32 answers for stages V, F, A.
+See ``docs/block.md``.
 """
 
 from .embeddings import Embeddings, embedding_stage
+from .extract import BlockExtraction, extract_block
+from .heads import Heads, extract_heads
 from .ffn import FFNPart, check_one_token, extract_ffn, predict_one_token
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .smoothness import Smoothness, check_smooth_activation
 from .value_sum import ValueSum, centre, value_sum
 
-__all__ = ["Embeddings", "FFNPart", "OutputLayerNorm", "check_one_token", "embedding_stage", "extract_ffn",
+__all__ = ["BlockExtraction", "Embeddings", "Heads", "extract_block", "extract_heads", "FFNPart", "OutputLayerNorm", "check_one_token", "embedding_stage", "extract_ffn",
            "predict_one_token", "Smoothness", "ValueSum", "centre", "check_smooth_activation", "fit_output_layernorm",
            "value_sum"]

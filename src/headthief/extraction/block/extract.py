@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable, SpecError
+from ...errors import BudgetExceeded, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost
 from ..precision import ModelCheck, answer_kind
@@ -80,7 +80,11 @@ class BlockExtraction:
         return self.block.evaluate(batch)
 
     def verify(self, oracle: Oracle, n: int = 256, *, rng=0, max_len: int = 16) -> Fidelity:
-        return block_fidelity(self.block, oracle, n, rng=rng, max_len=max_len)
+        """Largest error of any answered number on ``n`` fresh sequences of 1 to ``max_len`` tokens (norm
+        about the extraction's token norm) over the answers' rms."""
+        from ..vector import vector_fidelity
+        return vector_fidelity(self.block, oracle, n, rng=rng, max_len=max_len,
+                               token_norm=self.diagnostics.get("token_norm"))
 
     def errors(self, truth) -> dict[str, Any]:
         return block_errors(self, truth)
@@ -121,32 +125,6 @@ def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
     return BertBlock(attention=layer, ln1_gamma=ffn.gamma, ln1_beta=np.zeros(d), W1=ffn.W1m / ffn.gamma[None, :],
                      b1=ffn.b1m, W2=ffn.W2, b2=ffn.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
                      info={"recovered": True})
-
-
-def _fresh(d: int, n: int, rng: np.random.Generator, max_len: int, norm: float):
-    lens = rng.integers(1, max_len + 1, size=n)
-    out = []
-    for N in lens:
-        X = rng.standard_normal((int(N), d))
-        out.append(X * (norm / np.linalg.norm(X, axis=1, keepdims=True)))
-    return out
-
-
-def block_fidelity(block, oracle: Oracle, n: int, *, rng=0, max_len: int = 16) -> Fidelity:
-    """Largest error of any answered number on ``n`` fresh sequences (1 to ``max_len`` tokens of norm
-    sqrt(d), or half the input-norm bound) over the rms of the answers."""
-    from ...oracles.answers import pack
-    rng = np.random.default_rng(rng)
-    R = oracle.input_norm
-    norm = float(np.sqrt(oracle.d)) if R is None else min(float(np.sqrt(oracle.d)), 0.5 * R)
-    batch = _fresh(oracle.d, n, rng, max_len, norm)
-    before = oracle.queries
-    y = oracle.query_packed(batch)
-    yh = pack(oracle.output, block.evaluate(batch), batch, block.d_out)
-    rms = float(np.sqrt(np.mean(y ** 2)))
-    err = float(np.max(np.abs(yh - y)))
-    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms,
-                    max_rel_err=err / max(rms, 1e-300))
 
 
 def _rel(a, b) -> float:
@@ -307,4 +285,4 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
     return mc
 
 
-__all__ = ["BlockExtraction", "assemble", "block_errors", "block_fidelity", "expected_queries", "extract_block"]
+__all__ = ["BlockExtraction", "assemble", "block_errors", "expected_queries", "extract_block"]

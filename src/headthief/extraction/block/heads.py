@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import InvalidQuery, ModelMismatch, NotIdentifiable, SpecError
+from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from .value_sum import ValueSum, stencil_derivative, stencil_tokens
