@@ -172,3 +172,12 @@ def test_cli_json(tmp_path, capsys):
                  "--quiet"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["method"] == "block" and row["O_rel_err"] <= 1e-8
+
+
+def test_cli_table_lists_every_head(capsys):
+    # the per-head lines of the results table (CanonicalLayer-style rows name the head "head")
+    from headthief.cli import main
+    code = main(["extract", "--target", "mha:d=16,heads=2,seed=3,output=all", "--method", "vector", "--verify", "16",
+                 "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "  head 0" in out and "  head 1" in out

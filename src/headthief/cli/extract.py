@@ -137,7 +137,7 @@ def print_table(row: dict) -> None:
         elif k in row:
             line(k, row[k])
     for h in row.get("per_head") or []:
-        line(f"  head {h['true_head']}", ", ".join(f"{k} {v:.2e}" for k, v in h.items() if isinstance(v, float)))
+        line(f"  head {h.get('true_head', h.get('head'))}", ", ".join(f"{k} {v:.2e}" for k, v in h.items() if isinstance(v, float)))
     rest = [k for k in row if k not in HEADLINE and k != "per_head"]
     if rest:
         print(f"{'-- diagnostics':<{width}}")
