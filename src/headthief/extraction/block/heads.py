@@ -14,7 +14,7 @@ stage V's B) cancel LN1, the FFN and LN2's own curvature:
 
     S(t) = y_1(t) + y_2(t) - Psi(x + t B^{-1} e) - Psi(x - t B^{-1} e) = 2 t^2 J_Phi(p0) r + O(t^4),
 
-and Richardson's ``(16 S(t) - S(2 t)) / 24 t^2`` leaves ``J_Phi r`` to O(t^4). ``J_Phi = J_Psi B^{-1}``, with
+and Richardson over the steps t, 2 t, 3 t (:func:`richardson`; S is even in t) leaves ``J_Phi r`` to O(t^6). ``J_Phi = J_Psi B^{-1}``, with
 ``J_Psi`` measured once per base token by the five-point stencil, so each read gives ``B^{-1} r`` modulo
 ``J_Psi``'s null space ``span{B^{-1} 1, x + B^{-1} b}``.
 
