@@ -12,7 +12,7 @@ import pytest
 import headthief as ht
 from headthief.errors import ModelMismatch, NotIdentifiable, SpecError
 from headthief.extraction.block import centre, value_sum
-from headthief.extraction.block.heads import extract_heads, richardson
+from headthief.extraction.block.heads import extract_heads, richardson, stage_a_queries
 from headthief.models.bert_block import random_block
 from headthief.oracles.base import ModelOracle
 
@@ -52,6 +52,7 @@ def test_stage_a_recovers_every_head(seed):
     assert att.heads == H and att.info["heads_detected"]
     P = 2 * D + 8
     assert oracle.queries - before == att.info["queries"] == 4 * D * P + 3 * 3 * P * (2 * D + 1)   # output=all
+    assert att.info["queries"] == stage_a_queries(D)
     # the heads are as precise as the reads let them be: the ALS residual (the reads' precision, ~1e-10) times
     # the conditioning of the heads in the reads (measured 1.7x to 16x on seeds 31, 32, 44..46 at d = 16)
     assert att.info["heads_residual"] <= 1e-8
@@ -63,7 +64,9 @@ def test_stage_a_from_the_last_position_only():
     oracle = ModelOracle(block)
     rng = np.random.default_rng(33)
     vs = value_sum(oracle, rng, precision=2.0 ** -53)
+    before = oracle.queries
     att = extract_heads(oracle, vs, rng, heads=H, precision=2.0 ** -53)
+    assert oracle.queries - before == stage_a_queries(D, output_all=False)
     assert head_errors(att, block) <= 100 * att.info["heads_residual"] <= 1e-6
 
 

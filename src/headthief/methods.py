@@ -394,8 +394,8 @@ def _run_block(oracle, target, args, progress, clean=None):
 
 def _expected_block(target, args):
     from .extraction.block.extract import expected_queries
-    heads, ffn = _block_sizes(target, args)
-    return expected_queries(target.d, heads or 1, ffn) if ffn else None
+    _, ffn = _block_sizes(target, args)
+    return expected_queries(target.d, ffn) if ffn else None
 
 
 METHODS["block"] = Method(

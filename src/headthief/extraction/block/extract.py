@@ -33,9 +33,9 @@ from ...errors import BudgetExceeded, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost
 from ..precision import ModelCheck, answer_kind
-from ..result import Fidelity, freeze_fields
+from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
-from .heads import Heads, extract_heads
+from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .smoothness import check_smooth_activation
 from .value_sum import ValueSum, centre, value_sum
@@ -127,11 +127,6 @@ def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
                      info={"recovered": True})
 
 
-def _rel(a, b) -> float:
-    nb = float(np.linalg.norm(b))
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b))) / (nb if nb > 0 else 1.0)
-
-
 def block_errors(res: BlockExtraction, truth) -> dict[str, Any]:
     """Relative errors of every recovered part against a :class:`BertBlock` truth, modulo the symmetries of
     the module docstring (heads matched by the Hungarian method on ``P O_h``, neurons by their W_1 rows)."""
@@ -140,57 +135,60 @@ def block_errors(res: BlockExtraction, truth) -> dict[str, Any]:
     P = np.eye(d) - 1.0 / d
     sign = 1.0 if float(res.ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
     out: dict[str, Any] = {
-        "ln2_gamma_rel_err": _rel(sign * res.ln.gamma, truth.ln2_gamma),
-        "ln2_beta_rel_err": _rel(res.ln.beta, truth.ln2_beta),
+        "ln2_gamma_rel_err": rel_err(sign * res.ln.gamma, truth.ln2_gamma),
+        "ln2_beta_rel_err": rel_err(res.ln.beta, truth.ln2_beta),
     }
     B, b = truth.value_output_sum()
-    out["B_rel_err"] = _rel(res.value.B, centre(B))
-    out["b_rel_err"] = _rel(res.value.b, centre(b))
+    out["B_rel_err"] = rel_err(res.value.B, centre(B))
+    out["b_rel_err"] = rel_err(res.value.b, centre(b))
     can = truth.attention.canonical()
     H = truth.heads
     att = res.attention
-    cost_m = np.array([[_rel(att.O[i], centre(can.O(j))) for j in range(H)] for i in range(att.heads)])
+    cost_m = np.array([[rel_err(att.O[i], centre(can.O(j))) for j in range(H)] for i in range(att.heads)])
     rows, cols = linear_sum_assignment(cost_m)
     per = []
     for i, j in zip(rows, cols):
-        per.append({"head": int(j), "recovered_as": int(i), "O_rel_err": _rel(att.O[i], centre(can.O(j))),
-                    "W_rel_err": _rel(att.W[i], can.W(j)), "c_rel_err": _rel(att.c[i], can.C[j])})
+        per.append({"head": int(j), "recovered_as": int(i), "O_rel_err": rel_err(att.O[i], centre(can.O(j))),
+                    "W_rel_err": rel_err(att.W[i], can.W(j)), "c_rel_err": rel_err(att.c[i], can.C[j])})
     per.sort(key=lambda r: r["head"])
     for k in ("O_rel_err", "W_rel_err", "c_rel_err"):
         out[k] = max(r[k] for r in per)
     g1 = np.asarray(truth.ln1_gamma, dtype=np.float64)
     s = float(res.ffn.gamma @ g1 / (g1 @ g1))                          # LN2's input scale (a symmetry)
-    out["ln1_gamma_rel_err"] = _rel(res.ffn.gamma, s * g1)
+    out["ln1_gamma_rel_err"] = rel_err(res.ffn.gamma, s * g1)
     W1t = np.asarray(truth.W1, np.float64) @ np.diag(g1) @ P
     b1t = np.asarray(truth.W1, np.float64) @ np.asarray(truth.ln1_beta, np.float64) + np.asarray(truth.b1, np.float64)
     W2t = s * P @ np.asarray(truth.W2, np.float64)
-    cost_n = np.array([[_rel(w, wt) for wt in W1t] for w in res.ffn.W1m])
+    cost_n = np.array([[rel_err(w, wt) for wt in W1t] for w in res.ffn.W1m])
     r_, c_ = linear_sum_assignment(cost_n)
-    out["W1_rel_err"] = max(_rel(res.ffn.W1m[i], W1t[j]) for i, j in zip(r_, c_))
+    out["W1_rel_err"] = max(rel_err(res.ffn.W1m[i], W1t[j]) for i, j in zip(r_, c_))
     out["b1_abs_err"] = max(abs(float(res.ffn.b1m[i] - b1t[j])) for i, j in zip(r_, c_))
-    out["W2_rel_err"] = max(_rel(P @ res.ffn.W2[:, i], W2t[:, j]) for i, j in zip(r_, c_))
-    out["ffn_bias_rel_err"] = _rel(res.ffn.c, s * P @ (np.asarray(truth.ln1_beta, np.float64)
+    out["W2_rel_err"] = max(rel_err(P @ res.ffn.W2[:, i], W2t[:, j]) for i, j in zip(r_, c_))
+    out["ffn_bias_rel_err"] = rel_err(res.ffn.c, s * P @ (np.asarray(truth.ln1_beta, np.float64)
                                                        + np.asarray(truth.b2, np.float64)))
     out["heads_found"], out["heads_true"] = att.heads, H
     out["per_head"] = per
     return out
 
 
+def _ln_sequences(d: int) -> int:
+    """Stage L's queries: sequences of 16 tokens, at least 2 d + 8 answers in all."""
+    return -(-(2 * d + 8) // 16)
+
+
 def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> np.ndarray:
-    d = oracle.d
-    N = 16
-    k = -(-(2 * d + 8) // N)
-    X = rng.standard_normal((k, N, d))
+    X = rng.standard_normal((_ln_sequences(oracle.d), 16, oracle.d))
     X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
     return np.asarray(oracle.query_packed(X)), X
 
 
-def expected_queries(d: int, heads: int, ffn: int) -> int:
-    """The planned query count (output=all) for the progress bar."""
+def expected_queries(d: int, ffn: int) -> int:
+    """The planned query count (float64 answers at every position) for the progress bar: stage L, the
+    activation check, stage V (3 base tokens), stage F with its one-token check, stage A, the model check."""
+    from .smoothness import CIRCLES, MAX_POINTS
     T = max(5 * (ffn + 1), 2 * d)
-    Pn = 2 * d + 8
-    return (-(-(2 * d + 8) // 16) + 3 * 8 * d + 4 * 64 + (4 * (d - 2) + 1) * T + 64
-            + 4 * d * Pn + 3 * 3 * Pn * (2 * d + 1) + 256)
+    return (_ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + (4 * (d - 2) + 1) * T + 64 + stage_a_queries(d)
+            + 256)
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
@@ -242,7 +240,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = int(oracle.queries - before["queries"])
-    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()}, "activation_ratio": act.ratio, "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
+    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()}, "activation_ratio": act.ratio,
+            "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
             "value_sum_residual": vs.residual, "value_sum_conditioning": vs.conditioning,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,

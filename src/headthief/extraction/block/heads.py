@@ -47,7 +47,7 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
-from .value_sum import ValueSum, stencil_derivative, stencil_tokens
+from .value_sum import ValueSum, one_token_jacobian
 
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
@@ -73,13 +73,11 @@ def _unit(v):
     return v / np.linalg.norm(v)
 
 
-def one_token_jacobian(oracle: Oracle, x: np.ndarray, h: float, rng: np.random.Generator) -> np.ndarray:
-    """``J_Psi`` at one token x by the five-point stencil along a random orthonormal basis (4 d queries)."""
-    d = x.size
-    Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
-    T = stencil_tokens(x, Qb, h)
-    Y = np.asarray(oracle.query_packed(T[:, None, :]))
-    return stencil_derivative(Y, d, h) @ Qb
+def stage_a_queries(d: int, points: int | None = None, *, output_all: bool = True) -> int:
+    """The queries stage A sends: ``4 d P`` one-token queries for the Jacobians and, per read, base token and
+    step size, two one-token queries and one pair (two pairs at output=last)."""
+    P = 2 * d + 8 if points is None else int(points)
+    return 4 * d * P + (3 if output_all else 4) * len(LEVELS) * P * (2 * d + 1)
 
 
 def second_order(oracle: Oracle, vs: ValueSum, X: np.ndarray, E: np.ndarray, t: float) -> np.ndarray:
@@ -111,11 +109,11 @@ def richardson(levels, t: float) -> np.ndarray:
     return np.linalg.solve(V, e)
 
 
-def _fit_read(Z: np.ndarray, X: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> tuple[np.ndarray, float]:
+def _fit_read(Z: np.ndarray, X: np.ndarray, c0: np.ndarray, P1: np.ndarray) -> tuple[np.ndarray, float]:
     """``G = [A, a]`` (d, d+1) from pulled-back reads Z (P, d) = ``A x_p + a`` modulo ``c1`` and ``x_p + c0``
-    at base tokens X (P, d): returns G modulo ``mu [P1, P1 c0]`` (fixed later) and the fit's relative residual."""
+    at base tokens X (P, d) (``P1 = I - c1 c1^T``): returns G modulo ``mu [P1, P1 c0]`` (fixed later) and the
+    fit's relative residual."""
     Pn, d = X.shape
-    P1 = np.eye(d) - np.outer(c1, c1)
     Zc = Z @ P1                                      # rows: P1 z_p
     Yc = (X + c0) @ P1                               # rows: P1 (x_p + c0)
     Xh = np.hstack([X, np.ones((Pn, 1))])            # (P, d+1)
@@ -131,21 +129,32 @@ def _fit_read(Z: np.ndarray, X: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> t
     return Gt.T, res
 
 
-def _fix_scale(G: np.ndarray, c0: np.ndarray, c1: np.ndarray, H: int) -> tuple[np.ndarray, float, float]:
-    """Remove ``mu [P1, P1 c0]`` from G so that its first d columns have rank H (the heads' count): mu is the
-    eigenvalue of multiplicity d - 1 - H of G's d x d part on the complement of c1. Returns G and the
-    (H+1)-th and H-th singular values over the first (the read's rank figures)."""
-    d = G.shape[0]
+def _gauge(c1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``P1 = I - c1 c1^T`` and an orthonormal basis (d, d - 1) of its range: the complement of ``B^{-1} 1``."""
+    d = c1.size
     P1 = np.eye(d) - np.outer(c1, c1)
-    Qc = np.linalg.svd(P1)[0][:, :d - 1]
+    return P1, np.linalg.svd(P1)[0][:, :d - 1]
+
+
+def _without_scale(G: np.ndarray, mu: float, P1: np.ndarray, c0: np.ndarray) -> np.ndarray:
+    """G minus the scale gauge ``mu [P1, P1 c0]``."""
+    d = G.shape[0]
+    out = G.copy()
+    out[:, :d] -= mu * P1
+    out[:, d] -= mu * (P1 @ c0)
+    return out
+
+
+def _fix_scale(G: np.ndarray, c0: np.ndarray, P1: np.ndarray, Qc: np.ndarray, H: int) -> tuple[np.ndarray, float, float]:
+    """Remove ``mu [P1, P1 c0]`` from G so that its first d columns have rank H (the heads' count): mu is the
+    eigenvalue of multiplicity d - 1 - H of G's d x d part on the complement of c1 (``_gauge``). Returns G and
+    the (H+1)-th and H-th singular values over the first (the read's rank figures)."""
+    d = G.shape[0]
     ev = np.linalg.eigvals(Qc.T @ G[:, :d] @ Qc)
     med = np.median(ev.real)
     near = np.sort(np.abs(ev - med))
     keep = ev[np.abs(ev - med) <= near[d - 2 - H]]
-    mu = float(np.mean(keep.real))
-    out = G.copy()
-    out[:, :d] -= mu * P1
-    out[:, d] -= mu * (P1 @ c0)
+    out = _without_scale(G, float(np.mean(keep.real)), P1, c0)
     s = np.linalg.svd(out, compute_uv=False)
     return out, float(s[H] / s[0]), float(s[H - 1] / s[0])
 
@@ -158,20 +167,15 @@ def _check_heads(H: int, d: int) -> None:
                               f"needs 2 H <= d - 1, got H = {H}")
 
 
-def count_heads(G: list[np.ndarray], c0: np.ndarray, c1: np.ndarray, tol: float) -> int:
+def count_heads(G: list[np.ndarray], c0: np.ndarray, P1: np.ndarray, Qc: np.ndarray, tol: float) -> int:
     """The head count from unfixed reads: after removing the scale gauge at the median eigenvalue (the
     eigenvalue of multiplicity d - 1 - H, a majority while 2 H < d - 1), each read's rank is H; the most
     common rank over the reads (singular values above ``tol`` of the largest)."""
-    d = c1.size
-    P1 = np.eye(d) - np.outer(c1, c1)
-    Qc = np.linalg.svd(P1)[0][:, :d - 1]
+    d = P1.shape[0]
     counts = []
     for Gk in G:
         mu = float(np.median(np.linalg.eigvals(Qc.T @ Gk[:, :d] @ Qc).real))
-        A = Gk.copy()
-        A[:, :d] -= mu * P1
-        A[:, d] -= mu * (P1 @ c0)
-        sv = np.linalg.svd(A, compute_uv=False)
+        sv = np.linalg.svd(_without_scale(Gk, mu, P1, c0), compute_uv=False)
         counts.append(int(np.sum(sv > tol * sv[0])))
     vals, freq = np.unique(counts, return_counts=True)
     return int(vals[np.argmax(freq)])
@@ -313,16 +317,9 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     What = np.stack([(Y1 @ (V[:, g] @ Vinv[g, :])).real for g in groups])   # (H, d+1, d), each up to a scale
 
     # 5. O_h against every read: F_e = sum_h (Otilde_h e)(What_h e)^T
-    cols, rhs = [], []
-    for k in range(len(dirs)):
-        e = dirs[k]
-        Rk = np.stack([What[g] @ e for g in range(H)], axis=1)            # (d+1, H)
-        Lk = F[k] @ np.linalg.pinv(Rk).T                                  # (d, H): Otilde_h e
-        cols.append(Lk)
-        rhs.append(e)
-    Lall = np.stack(cols)                                                # (reads, d, H)
-    Dm = np.stack(rhs)                                                   # (reads, d)
-    Ot = np.stack([np.linalg.lstsq(Dm, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
+    Lall = np.stack([Fk @ np.linalg.pinv(np.stack([What[g] @ e for g in range(H)], axis=1)).T
+                     for Fk, e in zip(F, dirs)])                         # (reads, d, H): Otilde_h e per read
+    Ot = np.stack([np.linalg.lstsq(dirs, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
     Ot, What, polish = _polish(F, dirs, Ot, What, dh)
     PO = np.einsum("ij,gjk->gik", vs.B, Ot)                              # P O_h up to each head's scale
     target = vs.B - (np.eye(d) - np.ones((d, d)) / d)
@@ -332,14 +329,15 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     Wh = What / kappa[:, None, None]
     W = np.stack([Wh[g][:d].T for g in range(H)])
     c = np.stack([Wh[g][d] for g in range(H)])
-    return O, W, c, {**polish, "transport_residual": cross, "pencil_spread": float(spread), "value_sum_residual": sum_res}
+    return O, W, c, {**polish, "transport_residual": cross, "pencil_spread": float(spread),
+                     "value_sum_residual": sum_res}
 
 
 def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int | None, precision: float,
-                  scale: float | None = None, points: int | None = None, step: float | None = None,
-                  progress=None) -> Heads:
-    """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: the reads' rank); ``precision`` the answers' relative
-    precision; ``scale`` the base tokens' norm (default sqrt(d)); ``points`` the base tokens (default 2 d + 8: d + 8 left two d = 16 seeds at 1.1e-8 and 1.4e-8)."""
+                  scale: float | None = None, points: int | None = None, step: float | None = None) -> Heads:
+    """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: read from the reads' rank);
+    ``precision`` the answers' relative precision; ``scale`` the base tokens' norm (default sqrt(d));
+    ``points`` the base tokens (default 2 d + 8: d + 8 left two d = 16 seeds at 1.1e-8 and 1.4e-8)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     d = oracle.d
@@ -360,7 +358,8 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     X *= s / np.linalg.norm(X, axis=1, keepdims=True)
     pulls = []
     for p in range(Pn):
-        J = one_token_jacobian(oracle, X[p], h, rng)
+        Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
+        J = one_token_jacobian(oracle, X[p], Qb, h)
         U, S, Vt = np.linalg.svd(J)
         pulls.append(Vt[:d - 2].T @ (U[:, :d - 2].T / S[:d - 2, None]))     # pseudo-inverse on the row space
 
@@ -370,15 +369,16 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     e0 = _unit(rng.standard_normal(d))
     dirs = np.vstack([e0[None], E, e0[None] + E])                          # (2 d + 1, d)
     JR = sum(w * second_order(oracle, vs, X, dirs, c * t) for c, w in zip(LEVELS, richardson(LEVELS, t)))
-    fits = [_fit_read(np.stack([pulls[p] @ JR[k, p] for p in range(Pn)]), X, vs.c0, vs.c1)
+    P1, Qc = _gauge(vs.c1)
+    fits = [_fit_read(np.stack([pulls[p] @ JR[k, p] for p in range(Pn)]), X, vs.c0, P1)
             for k in range(len(dirs))]                                       # B^{-1} r modulo the null space
-    H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, vs.c1,
+    H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, P1, Qc,
                                                            RANK_TOLERANCE * expected)
     if heads is None:
         _check_heads(H, d)
     F, fit_res, ranks, weakest = [], 0.0, 0.0, 1.0
     for G, res in fits:
-        G, rank, last = _fix_scale(G, vs.c0, vs.c1, H)
+        G, rank, last = _fix_scale(G, vs.c0, P1, Qc, H)
         F.append(G)
         fit_res, ranks, weakest = max(fit_res, res), max(ranks, rank), min(weakest, last)
     worst = max(ranks, fit_res)
@@ -395,7 +395,8 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
             f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}): fewer than {H} heads act in this block",
             check="head rank", figure=weakest, threshold=RANK_TOLERANCE * expected)
     O, W, c, sep = separate(F, dirs, E, vs, H, rng)
-    info = {"heads_detected": heads is None, "queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs), "step": t, "stencil_step": h,
-            "expected": float(expected), "read_fit_residual": fit_res, "read_rank": ranks, "read_weakest": weakest,
-            **sep, "fitted": []}
+    info = {"heads_detected": heads is None, "queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs),
+            "step": t, "stencil_step": h, "expected": float(expected), "read_fit_residual": fit_res,
+            "read_rank": ranks, "read_weakest": weakest, **sep,
+            "fitted": ["heads (alternating least squares from the pencil's algebraic start)"]}
     return Heads(O=O, W=W, c=c, info=info)

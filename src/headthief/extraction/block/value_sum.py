@@ -76,13 +76,19 @@ def stencil_derivative(Y: np.ndarray, d: int, h: float) -> np.ndarray:
     return np.einsum("k,jko->oj", WEIGHTS, Y) / h
 
 
+def one_token_jacobian(oracle: Oracle, x: np.ndarray, Qb: np.ndarray, h: float) -> np.ndarray:
+    """``J_Psi`` at one token x (d_out, d): the five-point stencil along the rows of Qb (orthonormal), rotated
+    back (4 d one-token queries)."""
+    T = stencil_tokens(x, Qb, h)
+    return stencil_derivative(np.asarray(oracle.query_packed(T[:, None, :])), x.size, h) @ Qb
+
+
 def jacobians(oracle: Oracle, x: np.ndarray, Qb: np.ndarray, h: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``J_Psi``, ``J_self``, ``J_cross`` at base token x (each (d_out, d), in the coordinates of Qb's rows
     rotated back), and the queries spent."""
     d = x.size
+    J_psi = one_token_jacobian(oracle, x, Qb, h)
     T = stencil_tokens(x, Qb, h)
-    one = np.asarray(oracle.query_packed(T[:, None, :]))
-    J_psi = stencil_derivative(one, d, h) @ Qb
     base = np.broadcast_to(x, T.shape)
     if oracle.output is Output.ALL:
         Y = np.asarray(oracle.query(np.stack([T, base], axis=1)))        # (4d, 2, d_out)
