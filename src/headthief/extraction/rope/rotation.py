@@ -1,0 +1,148 @@
+"""Stage R of ``--method rope``: theta and every head's ``W_q``, ``W_k`` from the score forms at each offset.
+
+In the query/key space coordinates the form at offset D is ``T_h(D) = A_h^T R(-D theta) B_g / sqrt(d_h)``
+(``A_h = Q_h Ua_h``, ``B_g = K_g Ub_g``, both d_h x d_h). So the pencil
+
+    T_h(1)^{-1} T_h(D) = B_g^{-1} R(-(D - 1) theta) B_g
+
+is the same for every head of a group, and its eigenvalues are ``exp(-+ i (D - 1) theta_f)``, one conjugate
+pair per frequency plane f: the frequencies are read from the answers, not assumed. Their phases over
+D = 2 .. D_max are unwrapped and fitted by least squares; the base follows from
+``theta_f = base^(-2 f / d_h)`` (a weighted fit over the planes; the planes' own frequencies must agree with it,
+or the layer is not default RoPE: :class:`ModelMismatch`).
+
+The eigenvectors give ``B_g = E V^{-1}`` (E the rotation's own eigenvectors, plane by plane in transformers'
+layout: coordinates f and f + d_h/2), up to one complex number per plane: a rotation and a scale of that
+plane, which ``A_h`` takes back (``A_h -> A_h diag(...)^{-T}``): the symmetry of every RoPE layer. Then each
+``A_h`` by least squares from all its offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import ModelMismatch, NotIdentifiable
+
+
+@dataclass(frozen=True)
+class Rotation:
+    Q: np.ndarray         # (H, dh, d)
+    K: np.ndarray         # (G, dh, d)
+    theta: float          # the base
+    freqs: np.ndarray     # (dh/2,) every plane's frequency as read from the answers
+    info: dict = field(default_factory=dict)
+
+
+def _eig_basis(P: np.ndarray):
+    lam, V = np.linalg.eig(P)
+    return lam, V, np.linalg.inv(V)
+
+
+def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: float) -> Rotation:
+    """Theta and the heads' Q, K (see the module). ``T`` (H, len(offsets), dh, dh): the forms at the offsets
+    read (ascending)."""
+    H, nD, dh, _ = T.shape
+    offsets = np.asarray(offsets, dtype=float)
+    steps = offsets[1:] - offsets[0]                       # the pencil T(D_0)^{-1} T(D) turns by -(D - D_0) theta
+    Dmax = int(offsets[-1])
+    if dh % 2:
+        raise ModelMismatch(f"the head dimension {dh} is odd: RoPE turns pairs of coordinates", check="rotation")
+    if nD < 2:
+        raise NotIdentifiable("theta needs the score forms at two offsets at least (queries of 4 tokens or more)")
+    half = dh // 2
+    G = int(group.max()) + 1
+    E = np.zeros((dh, dh), complex)
+    for f in range(half):
+        E[f, f], E[f + half, f] = 1 / np.sqrt(2), -1j / np.sqrt(2)          # eigenvalue exp(i phi) of R(phi)
+        E[f, f + half], E[f + half, f + half] = 1 / np.sqrt(2), 1j / np.sqrt(2)
+    Bs, freqs_g, phase_rms, unit_dev = [], [], 0.0, 0.0
+    for g in range(G):
+        members = np.flatnonzero(group == g)
+        P = np.stack([np.mean([np.linalg.solve(T[h, 0], T[h, k]) for h in members], axis=0)
+                      for k in range(1, nD)])                                # P[k - 1]: step steps[k - 1]
+        rng = np.random.default_rng(12345 + g)
+        combo = np.tensordot(rng.standard_normal(nD - 1), P, axes=1)
+        _, V, Vi = _eig_basis(combo)
+        lam = np.einsum("ij,Djk,ki->Di", Vi, P, V)                             # (Dmax - 1, dh)
+        unit_dev = max(unit_dev, float(np.max(np.abs(np.abs(lam) - 1))))
+        ph0 = np.angle(lam[0])                                                 # -(theta) for the e^- vectors
+        neg = np.flatnonzero(ph0 < 0)
+        if len(neg) != half:
+            raise ModelMismatch(
+                f"the score forms of key/value group {g} do not turn with the offset (pencil eigenvalues "
+                f"{np.round(lam[0], 6).tolist()}): not a rotary layer (no rotation: --method vector; or a position "
+                "bias of another form)", check="rotation", figure=float(np.max(np.abs(ph0))), threshold=0.0)
+        th = []
+        for j in neg:
+            est = -ph0[j] / steps[0]
+            phases = [-ph0[j]]
+            for k in range(1, nD - 1):
+                raw = -np.angle(lam[k, j])
+                phases.append(raw + 2 * np.pi * np.round((steps[k] * est - raw) / (2 * np.pi)))
+                xs = steps[:len(phases)]
+                est = float(np.dot(xs, phases) / np.dot(xs, xs))
+            xs = steps[:len(phases)]
+            phase_rms = max(phase_rms, float(np.sqrt(np.mean((np.asarray(phases) - est * xs) ** 2))))
+            th.append(est)
+        th = np.asarray(th)
+        order = np.argsort(-th)
+        if np.min(th) <= 0:
+            raise ModelMismatch(f"a frequency plane of group {g} does not turn (theta_f {th.min():.3g})",
+                                check="rotation", figure=float(th.min()), threshold=0.0)
+        Vsel = V[:, neg[order]]
+        Vfull = np.concatenate([Vsel, Vsel.conj()], axis=1)
+        B = E @ np.linalg.inv(Vfull)
+        if float(np.max(np.abs(B.imag))) > 1e3 * tol * float(np.max(np.abs(B.real))):
+            raise ModelMismatch(f"group {g}: the rotation's eigenvectors do not pair into real planes",
+                                check="rotation")
+        Bs.append(B.real)
+        freqs_g.append(th[order])
+    freqs_all = np.stack(freqs_g)                                              # (G, half)
+    freqs = freqs_all.mean(0)
+    # base: theta_f = base^(-2f/dh); weights by each plane's sensitivity to the base
+    f = np.arange(half)
+    if half >= 2:
+        logb = -(dh / (2.0 * f[1:])) * np.log(freqs[1:])
+        w = (2.0 * f[1:] / dh * freqs[1:]) ** 2
+        base = float(np.exp(np.sum(w * logb) / np.sum(w)))
+    else:
+        base = 10000.0
+    model = base ** (-2.0 * f / dh)
+    dev = float(np.max(np.abs(freqs - model)) * Dmax)          # the misfit as a phase at the largest offset
+    lim = max(30 * phase_rms, 1e3 * tol) + 1e3 * tol
+    if dev > lim:
+        raise ModelMismatch(
+            f"the planes' frequencies {np.array2string(freqs, precision=6)} are not base^(-2f/d_h) for one base "
+            f"(best base {base:.6g}, largest phase misfit {dev:.3g} over {Dmax} offsets > {lim:.3g}): not the default "
+            "rotary embedding", check="rotation frequencies", figure=dev, threshold=lim)
+    # every head's A from all its offsets, with the frequencies of the fitted base
+    sq = np.sqrt(dh)
+    Q = np.zeros((H, dh, Ua[0].shape[0]))
+    K = np.stack([Bs[g] @ Ub[g].T for g in range(G)])
+    fit = 0.0
+    for h in range(H):
+        B = Bs[group[h]]
+        lhs = np.concatenate([_rot(-D * model, dh) @ B for D in offsets], axis=1)      # (dh, nD dh)
+        rhs = np.concatenate([sq * T[h, k] for k in range(nD)], axis=1)
+        At = np.linalg.lstsq(lhs.T, rhs.T, rcond=None)[0].T                   # A^T (dh, dh)
+        fit = max(fit, float(np.linalg.norm(At @ lhs - rhs) / np.linalg.norm(rhs)))
+        Q[h] = At.T @ Ua[h].T
+    info = {"theta": base, "freqs_read": freqs.tolist(), "freq_misfit": dev, "phase_rms": phase_rms,
+            "pencil_unit_dev": unit_dev, "form_rotation_fit": fit}
+    return Rotation(Q=Q, K=K, theta=base, freqs=freqs, info=info)
+
+
+def _rot(angles: np.ndarray, dh: int) -> np.ndarray:
+    """R(angle) in transformers' layout: plane f turns coordinates (f, f + dh/2) by angles[f]."""
+    half = dh // 2
+    R = np.zeros((dh, dh))
+    c, s = np.cos(angles), np.sin(angles)
+    i = np.arange(half)
+    R[i, i], R[i + half, i + half] = c, c
+    R[i, i + half], R[i + half, i] = -s, s
+    return R
+
+
+__all__ = ["Rotation", "rotation_parts"]

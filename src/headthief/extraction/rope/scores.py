@@ -1,0 +1,296 @@
+"""Stage S of ``--method rope``: every head's attention weights read from the answers, then its query and key
+spaces and its score form at every offset.
+
+With every ``O_h`` known (stage H), the answer at row t of a sequence whose token 0 is the zero vector is
+``y_t - b = sum_h O_h sum_{1 <= i <= t} a_{h,t,i} x_i`` (the zero token adds nothing to the values; its score is
+exactly 0 at every row, so ``a_{h,t,0} = 1 - sum_i a_{h,t,i}`` is the reference). Each head's part is read in the
+coordinates of its output space, so up to ``d_h`` weights per row are solved exactly, and::
+
+    log(a_{h,t,i} / a_{h,t,0}) = x_t^T M_h(i - t) x_i,     M_h(-D) = Q_h^T R(-D theta) K_g / sqrt(d_h)
+
+is a bilinear form of the two tokens, one per offset D = t - i. (A score with a position bias of its own, such
+as ALiBi's, or absolute positions, is not: the fits below leave a residual and the model check says so.)
+
+* query spaces: fixed keys, a varying query q: each reading is linear in q, ``q^T M_h(-D) k_i``, so least
+  squares over d + 16 queries gives the vectors ``M_h(-D) k_i``, which span ``row(Q_h)``;
+* key spaces: a fixed query, varying keys: the vectors ``M_h(-D)^T q`` span ``row(K_g)``; heads that share a
+  key space are one key/value group (checked against stage H's value groups);
+* score forms: random sequences; in the two spaces' coordinates ``M_h(-D) = Ua_h T_h(D) Ub_g^T`` with
+  ``T_h(D)`` a d_h x d_h matrix per offset, fitted by linear least squares from every reading at that offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import ModelMismatch, NotIdentifiable
+from ...oracles.base import Oracle
+from .partitions import Heads, _subspace_gap
+
+EXTRA = 16           # queries beyond the unknowns of each least-squares fit
+GAP_LIMIT = 0.01    # a (d_h + 1)-th direction this strong (of the d_h-th): not a d_h-dimensional space
+FIT_LIMIT = 0.01    # readings that fit linear functions of the varied token worse than this (relative) are not
+                    # bilinear forms: not the model
+
+
+class WeightReader:
+    """Reads every head's attention weights at every row of sequences that start with the zero token."""
+
+    def __init__(self, heads: Heads):
+        O = heads.O
+        H, d, _ = O.shape
+        dh = heads.head_dim
+        if H * dh > d:
+            raise NotIdentifiable(f"{H} heads of dimension {dh} have output spaces of {H * dh} > d = {d} "
+                                  "dimensions: their parts of an answer cannot be told apart")
+        self.U = [np.linalg.svd(o)[0][:, :dh] for o in O]            # col(O_h), orthonormal (d, dh)
+        self.Ubig_pinv = np.linalg.pinv(np.concatenate(self.U, axis=1))      # (H dh, d)
+        self.F = np.stack([u.T @ o for u, o in zip(self.U, O)])     # (H, dh, d): U_h^T O_h
+        self.b = heads.b
+        self.H, self.dh = H, dh
+
+    def weights(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+        """``a[k, h, t, i]`` for sequences X (n, N, d) and their answers Y (n, N, d). Token 0 and any other
+        token that is zero in every sequence are zero tokens: each has score 0, so they share the weight the
+        visible tokens leave. Rows with more than d_h - 1 visible tokens are left NaN (an overdetermined solve
+        needs fewer weights than the d_h numbers of a head's part)."""
+        n, N, d = X.shape
+        H, dh = self.H, self.dh
+        zero = ~np.any(X != 0, axis=(0, 2))
+        if not zero[0]:
+            raise ValueError("the weights are read against a zero token at position 0")
+        C = np.einsum("cd,ktd->ktc", self.Ubig_pinv, Y - self.b).reshape(n, N, H, dh)
+        a = np.full((n, H, N, N), np.nan)
+        for t in range(N):
+            vis = np.flatnonzero(~zero[:t + 1])
+            zs = np.flatnonzero(zero[:t + 1])
+            if len(vis) > dh - 1:
+                continue
+            w = np.zeros((n, H, 0))
+            if len(vis):
+                A = np.einsum("hed,kid->khei", self.F, X[:, vis])            # (n, H, dh, |vis|)
+                q, r = np.linalg.qr(A)
+                w = np.linalg.solve(r, np.einsum("khev,khe->khv", q, C[:, t])[..., None])[..., 0]
+                a[:, :, t, vis] = w
+            a[:, :, t, zs] = ((1.0 - w.sum(-1)) / len(zs))[..., None]
+        return a
+
+
+def log_ratios(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``log(a_i / a_0)`` and each reading's weight for least squares, ``1 / sqrt(1/a_i^2 + 1/a_0^2)`` (a
+    weight is read to an absolute precision, so a small one gives an imprecise logarithm); a weight that is
+    not positive (a masked or windowed key) gives NaN."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a0 = a[..., :1]
+        ok = (a > 0) & (a0 > 0)
+        L = np.where(ok, np.log(np.where(ok, a, 1.0)) - np.log(np.where(a0 > 0, a0, 1.0)), np.nan)
+        w = np.where(ok, 1.0 / np.sqrt(1.0 / np.where(ok, a, 1.0) ** 2 + 1.0 / np.where(a0 > 0, a0, 1.0) ** 2), 0.0)
+    return L, w
+
+
+def wlstsq(A: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+    """Weighted least squares over the finite readings: the solution and the weighted rms residual."""
+    ok = np.isfinite(y) & (w > 0)
+    Aw, yw = A[ok] * w[ok, None], y[ok] * w[ok]
+    sol = np.linalg.lstsq(Aw, yw, rcond=None)[0]
+    r = Aw @ sol - yw
+    return sol, float(np.sqrt(np.mean(r ** 2))) if r.size else 0.0
+
+
+@dataclass(frozen=True)
+class Spaces:
+    Ua: tuple            # per head: (d, dh) orthonormal basis of row(Q_h)
+    Ub: tuple            # per group: (d, dh) orthonormal basis of row(K_g)
+    queries: int
+    info: dict = field(default_factory=dict)
+
+
+def _wrms(y: np.ndarray, w: np.ndarray) -> float:
+    ok = np.isfinite(y) & (w > 0)
+    return max(float(np.sqrt(np.mean((y[ok] * w[ok]) ** 2))) if ok.any() else 0.0, 1e-300)
+
+
+def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress):
+    Y = np.asarray(oracle.query(X), dtype=np.float64)
+    if progress is not None:
+        progress(X.shape[0])
+    return log_ratios(reader.weights(X, Y))
+
+
+def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndarray, float]:
+    """Orthonormal basis of the span of the rows of ``vectors`` (which should have rank dh), and the gap
+    ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens. A
+    wide gap with readings that are linear is imprecision (NotIdentifiable); with readings that are not, the
+    scores are not bilinear forms at each offset (ModelMismatch)."""
+    _, s, Vt = np.linalg.svd(vectors, full_matrices=False)
+    gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
+    if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
+        raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")
+    if gap > GAP_LIMIT:
+        if fit > FIT_LIMIT:
+            raise ModelMismatch(
+                f"the attention logits log(a_i / a_0) are not bilinear in the query and key tokens at a fixed "
+                f"offset (relative misfit {fit:.3g} > {FIT_LIMIT}; the {what} spans more than d_h = {dh} "
+                f"dimensions, gap {gap:.3g}): a position bias of its own in the scores (ALiBi), absolute "
+                "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=FIT_LIMIT)
+        raise NotIdentifiable(f"the {what} readings are too imprecise to fix a {dh}-dimensional space (singular "
+                              f"value {dh + 1} is {gap:.3g} of the {dh}-th; the readings fit linear functions to "
+                              f"{fit:.2g} relative)")
+    return Vt[:dh].T, gap
+
+
+def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.random.Generator, *, max_len: int,
+                tol: float, oversample: int = 1, progress=None) -> Spaces:
+    """Query spaces per head and key spaces per group (see the module)."""
+    d, H, dh = oracle.d, heads.heads, heads.head_dim
+    rows = int(min(dh - 1, max_len - 1))    # rows t <= d_h - 1: fewer weights than numbers, an overdetermined solve
+    m = (rows + 1) // 2                     # keys at positions 1..m, queries at m + 1..rows
+    p = rows - m
+    if m < 1 or p < 1:
+        raise NotIdentifiable(f"max_len={max_len} (head dimension {dh}) leaves no room for keys and queries after "
+                              "the zero token")
+    batches = max(2, int(np.ceil((dh + 4) / (m * p))))
+    n = oversample * d + EXTRA
+    qvec = [[] for _ in range(H)]
+    kvec = [[] for _ in range(H)]
+    queries, fit_q, fit_k = 0, 0.0, 0.0
+    keys, qs = np.arange(1, m + 1), np.arange(m + 1, rows + 1)
+    for _ in range(batches):
+        # fixed keys, varying queries: each reading q_t^T (M(i - t) k_i) is linear in the query
+        X = np.zeros((n, rows + 1, d))
+        X[:, keys] = rng.standard_normal((m, d))[None]
+        X[:, qs] = rng.standard_normal((n, p, d))
+        L, W = _ask(oracle, X, reader, progress)                  # (n, H, N, N)
+        for h in range(H):
+            for t in qs:
+                for i in keys:
+                    v, r = wlstsq(X[:, t], L[:, h, t, i], W[:, h, t, i])
+                    qvec[h].append(v)
+                    fit_q = max(fit_q, r / _wrms(L[:, h, t, i], W[:, h, t, i]))
+        # fixed queries, varying keys: each reading k_i^T (M(i - t)^T q_t) is linear in the key
+        X = np.zeros((n, rows + 1, d))
+        X[:, keys] = rng.standard_normal((n, m, d))
+        X[:, qs] = rng.standard_normal((p, d))[None]
+        L, W = _ask(oracle, X, reader, progress)
+        for h in range(H):
+            for t in qs:
+                for i in keys:
+                    v, r = wlstsq(X[:, i], L[:, h, t, i], W[:, h, t, i])
+                    kvec[h].append(v)
+                    fit_k = max(fit_k, r / _wrms(L[:, h, t, i], W[:, h, t, i]))
+        queries += 2 * n
+    Ua, qgap = [], 0.0
+    for h in range(H):
+        B, g = _basis(np.stack(qvec[h]), dh, "query space", fit_q)
+        Ua.append(B)
+        qgap = max(qgap, g)
+    kb = []
+    kgap = 0.0
+    for h in range(H):
+        B, g = _basis(np.stack(kvec[h]), dh, "key space", fit_k)
+        kb.append(B)
+        kgap = max(kgap, g)
+    # key groups: heads whose key spaces coincide
+    G = int(heads.group.max()) + 1
+    same = np.array([[_subspace_gap(kb[i].T, kb[j].T) for j in range(H)] for i in range(H)])
+    within = max([same[i, j] for i in range(H) for j in range(H) if heads.group[i] == heads.group[j]] + [0.0])
+    across = min([same[i, j] for i in range(H) for j in range(H) if heads.group[i] != heads.group[j]] + [1.0])
+    if within > GAP_LIMIT or across < 10 * GAP_LIMIT:
+        raise ModelMismatch(f"the heads' key spaces do not fall into the value groups of stage H (largest angle "
+                            f"sine within a group {within:.3g}, smallest across {across:.3g}): keys and values are "
+                            "not shared by the same groups of heads", check="key/value groups", figure=within,
+                            threshold=GAP_LIMIT)
+    Ub = []
+    for g in range(G):
+        members = np.flatnonzero(heads.group == g)
+        Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k)[0])
+    info = {"space_queries": queries, "keys_per_space_query": m, "queries_per_space_query": p, "query_fit_rms": fit_q, "key_fit_rms": fit_k, "query_space_gap": qgap, "key_space_gap": kgap,
+            "key_angle_within_group": within, "key_angle_across_groups": across}
+    return Spaces(Ua=tuple(Ua), Ub=tuple(Ub), queries=queries, info=info)
+
+
+@dataclass(frozen=True)
+class Forms:
+    T: np.ndarray        # (H, len(offsets), dh, dh): T_h(D) for each offset read
+    offsets: np.ndarray  # the offsets D read, ascending (1 first)
+    residual: float      # rms residual of the fits over the rms of the readings
+    queries: int
+    reads: tuple         # (X, L) of the random sequences, kept for the in-sample error
+    info: dict = field(default_factory=dict)
+
+
+def _fit_forms(X, L, W, Ua, Ub, group) -> tuple[dict, float, int]:
+    """Per head and offset D, T_h(D) by weighted least squares over every reading (t, t - D) of every design."""
+    H = len(Ua)
+    dh = Ua[0].shape[1]
+    feats_by = {}
+    for Xs, Ls, Ws in zip(X, L, W):
+        n, N, _ = Xs.shape
+        for h in range(H):
+            qa = np.einsum("ktd,de->kte", Xs, Ua[h])
+            kb = np.einsum("ktd,de->kte", Xs, Ub[group[h]])
+            for t in range(N):
+                for i in range(1, t):
+                    if not np.any(Xs[:, i]) or not np.any(Xs[:, t]):
+                        continue
+                    f = np.einsum("ka,kb->kab", qa[:, t], kb[:, i]).reshape(n, -1)
+                    feats_by.setdefault((h, t - i), []).append((f, Ls[:, h, t, i], Ws[:, h, t, i]))
+    T, num, den, bad = {}, 0.0, 0.0, 0
+    for (h, D), parts in feats_by.items():
+        F = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        w = np.concatenate([p[2] for p in parts])
+        if np.sum(np.isfinite(y) & (w > 0)) < dh * dh + EXTRA:
+            continue
+        bad += int(np.sum(~np.isfinite(y)))
+        sol, r = wlstsq(F, y, w)
+        T[(h, D)] = sol.reshape(dh, dh)
+        ok = np.isfinite(y)
+        num += r * r
+        den += float(np.mean((y[ok] * w[ok]) ** 2))
+    return T, float(np.sqrt(num / max(den, 1e-300))), bad
+
+
+def read_forms(oracle: Oracle, heads: Heads, spaces: Spaces, reader: WeightReader, rng: np.random.Generator, *,
+               max_len: int, oversample: int = 1, progress=None) -> Forms:
+    """Every head's score form ``T_h(D)`` at the offsets D = 1 .. N - 2 (N = min(max_len, d_h)): random
+    sequences after the zero token. Where max_len > d_h, also long sequences with zero tokens in the middle
+    (a block of keys after the zero token, zeros, a block of queries at the end) read the large offsets
+    (more turn of the slow planes, hence their frequencies and planes more precisely)."""
+    d, H, dh = oracle.d, heads.heads, heads.head_dim
+    N = int(min(max_len, dh))          # rows t <= d_h - 1: at most d_h - 1 weights from d_h numbers per head
+    if N - 2 < 1:
+        raise NotIdentifiable(f"max_len={max_len}: sequences of {N} tokens read no offset")
+    n = 2 * oversample * dh * dh + EXTRA
+    X = np.zeros((n, N, d))
+    X[:, 1:] = rng.standard_normal((n, N - 1, d))
+    designs = [X]
+    k = (dh - 1) // 2
+    if max_len > N + 1 and k >= 1:
+        Xl = np.zeros((n, int(max_len), d))
+        Xl[:, 1:k + 1] = rng.standard_normal((n, k, d))
+        Xl[:, max_len - k:] = rng.standard_normal((n, k, d))
+        designs.append(Xl)
+    Ls, Ws, Ys = [], [], []
+    for Xs in designs:
+        Y = np.asarray(oracle.query(Xs), dtype=np.float64)
+        if progress is not None:
+            progress(Xs.shape[0])
+        L, W = log_ratios(reader.weights(Xs, Y))
+        Ls.append(L)
+        Ws.append(W)
+        Ys.append(Y)
+    T, residual, bad = _fit_forms(designs, Ls, Ws, spaces.Ua, spaces.Ub, heads.group)
+    offsets = sorted({D for (_, D) in T})
+    offsets = [D for D in offsets if all((h, D) in T for h in range(H))]
+    Tarr = np.stack([np.stack([T[(h, D)] for D in offsets]) for h in range(H)])
+    q = sum(x.shape[0] for x in designs)
+    info = {"form_queries": q, "form_tokens": int(max(x.shape[1] for x in designs)), "offsets_read": offsets,
+            "form_residual": residual, "readings_not_positive": bad}
+    return Forms(T=Tarr, offsets=np.asarray(offsets), residual=residual, queries=q,
+                 reads=(designs[0], Ys[0]), info=info)
+
+
+__all__ = ["Forms", "Spaces", "WeightReader", "find_spaces", "log_ratios", "read_forms"]
