@@ -403,7 +403,31 @@ METHODS["block"] = Method(
     "ours: a whole post-LN BERT block (attention, LN1, GELU FFN, LN2) from vector answers at every position: "
     "LN2 from the answers' ellipsoid, B = I + sum_h O_h V_h from Jacobians, LN1 and every neuron from Jacobians "
     "on LN1's sphere, every head from second-order reads at equal tokens (--heads H|auto, --ffn M)")
-VECTOR_METHODS = {"vector", "block"}
+
+
+def _run_rope(oracle, target, args, progress, clean=None):
+    from .extraction.rope import extract_rope
+    return extract_rope(oracle, **check_kw(args), heads=_heads_arg(args), rng=np.random.default_rng(args.seed),
+                        max_len=int(getattr(args, "max_len", 16)), verify_len=int(getattr(args, "verify_len", 64)),
+                        progress=progress)
+
+
+def _expected_rope(target, args):
+    from .extraction.rope import expected_queries
+    info = (target.info or {}) if target is not None else {}
+    f32 = str(info.get("dtype", "float64")) == "float32"
+    return expected_queries(target.d, info.get("heads"), info.get("head_dim"), int(getattr(args, "max_len", 16)),
+                            f32)
+
+
+METHODS["rope"] = Method(
+    _run_rope, _expected_rope,
+    "ours: a causal decoder attention layer with rotary positions (RoPE) and grouped-query heads "
+    "(transformers' LlamaAttention) from vector answers at every position: saturated causal queries for every "
+    "head's O_h and the key/value groups, attention weights read against zero tokens for the query/key spaces "
+    "and the score form at each offset, theta from the rotation's eigenvalues (--max-len: longest query, "
+    "default 16; --verify-len: the check's fresh sequences, default 64)")
+VECTOR_METHODS = {"vector", "block", "rope"}
 
 
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is

@@ -82,6 +82,8 @@ class Options:
     scales: str = "adaptive"
     heads: str = "auto"
     ffn: int | None = None
+    max_len: int = 16
+    verify_len: int = 64
     max_heads: int = 16
     subspace_bases: str | None = None
     rank: str = "auto"
@@ -122,15 +124,16 @@ SETTING_METHODS: dict[str, set[str]] = {
     "rank": {"lowrank", "rop", "multihead"},
     "oversample": {"lowrank"},
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
-    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block"},
+    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope"},
     "ffn": {"block"},
+    "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
     "sphere_queries": {"membership-paper"}, "eps_W": {"membership-paper"},
     "W_bound": {"noisy-paper", "noisy", "membership-paper"},
     "mu": {"noisy-paper", "membership-paper"},
     "extra_probes": {"noisy"},
-    "causal": {"vector"},
+    "causal": {"vector", "rope"},   # rope: always causal; the declaration is checked like the rest
 }
 
 
@@ -195,8 +198,10 @@ def auto_method(target: Target, opts: Options) -> str:
     from .methods import published_output
     out = published_output(target)
     if getattr(target, "output", "value") in ("last", "all"):
-        return "block" if target.spec.split(":", 1)[0] in ("bert-block", "minilm-block", "minilm-block-hf") \
-            else "vector"
+        kind = target.spec.split(":", 1)[0]
+        if kind in ("bert-block", "minilm-block", "minilm-block-hf"):
+            return "block"
+        return "rope" if kind in ("rope-mha", "llama-attn") and target.output == "all" else "vector"
     if opts.sign_only or out == "sign":
         return "membership"
     if opts.noise is not None or opts.noise_mode is not None or out.startswith(("noisy:", "rounded:")):
@@ -257,6 +262,10 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--blas-threads must be >= 1, got {opts.blas_threads}")
     if opts.max_heads < 1:
         raise SpecError(f"--max-heads must be >= 1, got {opts.max_heads}")
+    if opts.max_len < 4:
+        raise SpecError(f"--max-len must be >= 4 (--method rope reads two offsets at least), got {opts.max_len}")
+    if opts.verify_len < 1:
+        raise SpecError(f"--verify-len must be >= 1, got {opts.verify_len}")
     if opts.save:
         check_output_path(saved_path(opts.save), "--save")
     if opts.journal:
@@ -265,7 +274,7 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
 
 def check_settings_apply(opts: Options, method: str) -> None:
     """A method setting changed from its default for a method that does not read it is refused."""
-    if opts.causal and method != "vector":
+    if opts.causal and method not in ("vector", "rope"):      # rope assumes a causal layer and checks it
         raise SpecError(f"--causal does not apply to --method {method}: it declares the mask of a layer that "
                         "answers with vectors, for --method vector (a py: target with --output last|all); "
                         f"--method {method} models no mask: it reads one number per sequence, the last token's, "
@@ -385,6 +394,7 @@ def _comparable(res, truth) -> bool:
     if truth is None:
         return False
     from .extraction.block.extract import BlockExtraction
+    from .extraction.rope import RopeExtraction
     from .extraction.vector import VectorExtraction
     from .models.bert_block import BertBlock
     from .models.mha import CanonicalLayer
@@ -393,6 +403,9 @@ def _comparable(res, truth) -> bool:
         return isinstance(truth, CanonicalLayer)
     if isinstance(res, BlockExtraction):
         return isinstance(truth, BertBlock) and truth.activation == "gelu"
+    if isinstance(res, RopeExtraction):
+        from .models.rope import RopeAttention
+        return isinstance(truth, RopeAttention)
     return isinstance(truth, MultiHeadAttention) == hasattr(res, "V")
 
 
@@ -573,7 +586,7 @@ def _open_journal(opts: Options, warnings: list[str]):
 # The settings that change which queries a run asks: a journal resumes only a run with the same ones.
 FINGERPRINT = ("d", "bias", "probes", "scales", "rank", "oversample", "solver", "measurements", "oversampling",
                "noise", "noise_mode", "sign_only", "sphere_queries", "eps_W", "W_bound", "mu", "extra_probes",
-               "input_norm", "heads", "max_heads", "subspace_bases", "ffn")
+               "input_norm", "heads", "max_heads", "subspace_bases", "ffn", "max_len", "verify_len")
 
 
 def fingerprint(opts: Options) -> dict:

@@ -48,6 +48,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--heads", default="auto", help="multihead, vector, block: the number of heads, or 'auto' (default)")
     e.add_argument("--ffn", type=int, default=None, metavar="M",
                    help="block: the FFN's width (default: what the target publishes, e.g. bert-block:ffn=M)")
+    e.add_argument("--max-len", dest="max_len", type=int, default=D.max_len, metavar="N",
+                   help="rope: the longest query the extraction sends, in tokens (default 16)")
+    e.add_argument("--verify-len", dest="verify_len", type=int, default=D.verify_len, metavar="N",
+                   help="rope: the model check's fresh sequences have 1 to N tokens (default 64: longer than any "
+                        "extraction query, the test of length generalisation)")
     e.add_argument("--max-heads", dest="max_heads", type=int, default=16,
                    help="multihead: the most heads --heads auto accepts (default 16)")
     e.add_argument("--subspace-bases", dest="subspace_bases", metavar="FILE.npy", default=None,

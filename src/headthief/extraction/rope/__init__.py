@@ -47,6 +47,7 @@ MODEL = "a causal RoPE attention layer with grouped-query heads (LlamaAttention)
 SAVE_FORMAT = "headthief-llama-attention-1"     # safetensors metadata: LlamaAttention's tensor names, float64
 CHECK_FACTOR = 100      # fresh (longer) sequences may be this much worse than the error on the answers paid for
 MIN_LEN = 4             # the shortest query length that reads two offsets
+FIT_LIMIT = 1e-2        # a layer that fits the answers paid for worse than this is not the model
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,7 +202,7 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     part = find_heads(oracle, rng, precision=eps, heads=heads, max_len=max_len, progress=progress)
     reader = WeightReader(part)
     over = 1 if eps < 1e-10 else 4
-    sp = find_spaces(oracle, part, reader, rng, max_len=max_len, tol=part.info["linearity_tol"], oversample=over,
+    sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, oversample=over,
                      progress=progress)
     fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, oversample=over, progress=progress)
     rot = rotation_parts(fm.T, fm.offsets, part.group, sp.Ua, sp.Ub, tol=part.info["linearity_tol"])
@@ -235,11 +236,13 @@ def _verdict(res: RopeExtraction, oracle: Oracle, insample: float, eps: float, n
     except BudgetExceeded as e:
         return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
     threshold = CHECK_FACTOR * max(insample, 30.0 * eps, 1e-13)
-    ok = f.max_rel_err <= threshold
+    ok = f.max_rel_err <= threshold and insample <= FIT_LIMIT
     detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to {verify_len} tokens (every position; "
               f"the extraction's longest query had {res.diagnostics['longest_extraction_query']}); threshold "
               f"{threshold:.3g}: {CHECK_FACTOR}x the error on the answers paid for ({insample:.3g}), floored at 30x "
-              f"the answers' precision {eps:.2g}")
+              f"the answers' precision {eps:.2g}" + ("" if insample <= FIT_LIMIT else
+                                                      f"; the layer does not fit the answers paid for ({insample:.3g} > "
+                                                      f"{FIT_LIMIT})"))
     mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
     if not ok:
         err = ModelMismatch(f"the target does not behave like {MODEL}: {detail} (a sliding window, a position "
@@ -264,7 +267,9 @@ def expected_queries(d: int, heads: int | None, head_dim: int | None, max_len: i
     batches = max(2, int(np.ceil((head_dim + 4) / max(m * p, 1))))
     from .partitions import CHECKS
     from .scores import EXTRA
-    return 2 + 1 + (N * d + 1 + CHECKS) + batches * 2 * (over * d + EXTRA) + (2 * over * head_dim ** 2 + EXTRA)
+    forms = 2 * over * head_dim ** 2 + EXTRA
+    designs = 2 if max_len > min(max_len, head_dim) + 1 and (head_dim - 1) // 2 >= 1 else 1
+    return 2 + 1 + (N * d + 1 + CHECKS) + batches * 2 * (over * d + EXTRA) + designs * forms
 
 
 __all__ = ["RopeExtraction", "expected_queries", "extract_rope", "rope_errors"]

@@ -31,6 +31,7 @@ from .partitions import Heads, _subspace_gap
 
 EXTRA = 16           # queries beyond the unknowns of each least-squares fit
 GAP_LIMIT = 0.01    # a (d_h + 1)-th direction this strong (of the d_h-th): not a d_h-dimensional space
+PRECISE = 1e-10     # answers this precise (float64) read the weights to ~1e-12: a misfit is the model's
 FIT_LIMIT = 0.01    # readings that fit linear functions of the varied token worse than this (relative) are not
                     # bilinear forms: not the model
 
@@ -119,7 +120,7 @@ def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress):
     return log_ratios(reader.weights(X, Y))
 
 
-def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndarray, float]:
+def _basis(vectors: np.ndarray, dh: int, what: str, fit: float, precision: float) -> tuple[np.ndarray, float]:
     """Orthonormal basis of the span of the rows of ``vectors`` (which should have rank dh), and the gap
     ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens. A
     wide gap with readings that are linear is imprecision (NotIdentifiable); with readings that are not, the
@@ -128,13 +129,21 @@ def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndar
     gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
     if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
         raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")
-    if gap > GAP_LIMIT:
-        if fit > FIT_LIMIT:
+    gap_limit, fit_limit = GAP_LIMIT, FIT_LIMIT
+    if gap > gap_limit:
+        if fit > fit_limit and precision > PRECISE:
+            raise NotIdentifiable(
+                f"the {what} readings are too imprecise at this answer precision ({precision:.2g}: the heads' "
+                f"attention weights are read from one answer through a change of basis of condition ~d, so "
+                f"log(a_i / a_0) fits linear functions of the varied token only to {fit:.2g} relative, and the "
+                f"space's {dh + 1}-th direction is {gap:.3g} of its {dh}-th): a wrong score form cannot be told "
+                "from imprecision here")
+        if fit > fit_limit:
             raise ModelMismatch(
                 f"the attention logits log(a_i / a_0) are not bilinear in the query and key tokens at a fixed "
-                f"offset (relative misfit {fit:.3g} > {FIT_LIMIT}; the {what} spans more than d_h = {dh} "
+                f"offset (relative misfit {fit:.3g} > {fit_limit:.3g}; the {what} spans more than d_h = {dh} "
                 f"dimensions, gap {gap:.3g}): a position bias of its own in the scores (ALiBi), absolute "
-                "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=FIT_LIMIT)
+                "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=fit_limit)
         raise NotIdentifiable(f"the {what} readings are too imprecise to fix a {dh}-dimensional space (singular "
                               f"value {dh + 1} is {gap:.3g} of the {dh}-th; the readings fit linear functions to "
                               f"{fit:.2g} relative)")
@@ -142,7 +151,7 @@ def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndar
 
 
 def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.random.Generator, *, max_len: int,
-                tol: float, oversample: int = 1, progress=None) -> Spaces:
+                precision: float, oversample: int = 1, progress=None) -> Spaces:
     """Query spaces per head and key spaces per group (see the module)."""
     d, H, dh = oracle.d, heads.heads, heads.head_dim
     rows = int(min(dh - 1, max_len - 1))    # rows t <= d_h - 1: fewer weights than numbers, an overdetermined solve
@@ -181,15 +190,29 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
                     kvec[h].append(v)
                     fit_k = max(fit_k, r / _wrms(L[:, h, t, i], W[:, h, t, i]))
         queries += 2 * n
+    fit = max(fit_q, fit_k)
+    if fit > FIT_LIMIT and precision <= PRECISE:
+        raise ModelMismatch(
+            f"the attention logits log(a_i / a_0) are not bilinear in the query and key tokens at a fixed offset "
+            f"(relative misfit {fit:.3g} > {FIT_LIMIT}): a position bias of its own in the scores (ALiBi), absolute "
+            "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=FIT_LIMIT)
+    # without a rotation the form is the same at every offset: one query's key vectors then coincide
+    spread = max(float(np.max(np.abs(np.stack(kvec[h][j * m:(j + 1) * m]) - kvec[h][j * m])))
+                 / max(float(np.max(np.abs(kvec[h][j * m]))), 1e-300)
+                 for h in range(H) for j in range(len(kvec[h]) // m))
+    if spread <= max(1e-6, 100 * fit_k):
+        raise ModelMismatch(f"the score forms do not change with the offset (one query's key vectors at offsets "
+                            f"1..{rows - 1} agree to {spread:.2g}): not a rotary layer (no rotation: use --method "
+                            "vector)", check="rotation", figure=spread, threshold=max(1e-6, 100 * fit_k))
     Ua, qgap = [], 0.0
     for h in range(H):
-        B, g = _basis(np.stack(qvec[h]), dh, "query space", fit_q)
+        B, g = _basis(np.stack(qvec[h]), dh, "query space", fit_q, precision)
         Ua.append(B)
         qgap = max(qgap, g)
     kb = []
     kgap = 0.0
     for h in range(H):
-        B, g = _basis(np.stack(kvec[h]), dh, "key space", fit_k)
+        B, g = _basis(np.stack(kvec[h]), dh, "key space", fit_k, precision)
         kb.append(B)
         kgap = max(kgap, g)
     # key groups: heads whose key spaces coincide
@@ -197,15 +220,16 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
     same = np.array([[_subspace_gap(kb[i].T, kb[j].T) for j in range(H)] for i in range(H)])
     within = max([same[i, j] for i in range(H) for j in range(H) if heads.group[i] == heads.group[j]] + [0.0])
     across = min([same[i, j] for i in range(H) for j in range(H) if heads.group[i] != heads.group[j]] + [1.0])
-    if within > GAP_LIMIT or across < 10 * GAP_LIMIT:
+    gap_limit = GAP_LIMIT
+    if within > gap_limit or across < 10 * gap_limit:
         raise ModelMismatch(f"the heads' key spaces do not fall into the value groups of stage H (largest angle "
                             f"sine within a group {within:.3g}, smallest across {across:.3g}): keys and values are "
                             "not shared by the same groups of heads", check="key/value groups", figure=within,
-                            threshold=GAP_LIMIT)
+                            threshold=gap_limit)
     Ub = []
     for g in range(G):
         members = np.flatnonzero(heads.group == g)
-        Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k)[0])
+        Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k, precision)[0])
     info = {"space_queries": queries, "keys_per_space_query": m, "queries_per_space_query": p, "query_fit_rms": fit_q, "key_fit_rms": fit_k, "query_space_gap": qgap, "key_space_gap": kgap,
             "key_angle_within_group": within, "key_angle_across_groups": across}
     return Spaces(Ua=tuple(Ua), Ub=tuple(Ub), queries=queries, info=info)
