@@ -511,6 +511,7 @@ ROBUST_CELLS: list[tuple[str, str, dict]] = [
     ("vector", "mha:d=32,heads=4,seed={s},output=last", {}),
     ("vector", "mha:d=32,heads=4,seed={s},output=all,dtype=float32", {}),
     ("block", "bert-block:d=16,heads=4,ffn=32,seed={s}", {}),
+    ("rope", "rope-mha:d=32,heads=4,kv_heads=2,seed={s}", {}),
 ]
 # Sign-only and noisy answers: the bound is the model check's own fidelity threshold (the row's
 # model_check.threshold; it allows the tolerance tau, or the bisection's resolution), not a precision.
