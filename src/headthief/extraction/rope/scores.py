@@ -167,28 +167,20 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
     queries, fit_q, fit_k = 0, 0.0, 0.0
     keys, qs = np.arange(1, m + 1), np.arange(m + 1, rows + 1)
     for _ in range(batches):
-        # fixed keys, varying queries: each reading q_t^T (M(i - t) k_i) is linear in the query
-        X = np.zeros((n, rows + 1, d))
-        X[:, keys] = rng.standard_normal((m, d))[None]
-        X[:, qs] = rng.standard_normal((n, p, d))
-        L, W = _ask(oracle, X, reader, progress)                  # (n, H, N, N)
-        for h in range(H):
-            for t in qs:
-                for i in keys:
-                    v, r = wlstsq(X[:, t], L[:, h, t, i], W[:, h, t, i])
-                    qvec[h].append(v)
-                    fit_q = max(fit_q, r / _wrms(L[:, h, t, i], W[:, h, t, i]))
-        # fixed queries, varying keys: each reading k_i^T (M(i - t)^T q_t) is linear in the key
-        X = np.zeros((n, rows + 1, d))
-        X[:, keys] = rng.standard_normal((n, m, d))
-        X[:, qs] = rng.standard_normal((p, d))[None]
-        L, W = _ask(oracle, X, reader, progress)
-        for h in range(H):
-            for t in qs:
-                for i in keys:
-                    v, r = wlstsq(X[:, i], L[:, h, t, i], W[:, h, t, i])
-                    kvec[h].append(v)
-                    fit_k = max(fit_k, r / _wrms(L[:, h, t, i], W[:, h, t, i]))
+        # fixed keys, varying queries: each reading q_t^T (M(i - t) k_i) is linear in the query; then fixed
+        # queries, varying keys: each reading k_i^T (M(i - t)^T q_t) is linear in the key
+        for vary_queries, out in ((True, qvec), (False, kvec)):
+            X = np.zeros((n, rows + 1, d))
+            X[:, keys] = rng.standard_normal((m, d))[None] if vary_queries else rng.standard_normal((n, m, d))
+            X[:, qs] = rng.standard_normal((n, p, d)) if vary_queries else rng.standard_normal((p, d))[None]
+            L, W = _ask(oracle, X, reader, progress)                  # (n, H, N, N)
+            for h in range(H):
+                for t in qs:
+                    for i in keys:
+                        v, r = wlstsq(X[:, t if vary_queries else i], L[:, h, t, i], W[:, h, t, i])
+                        out[h].append(v)
+                        rel = r / _wrms(L[:, h, t, i], W[:, h, t, i])
+                        fit_q, fit_k = (max(fit_q, rel), fit_k) if vary_queries else (fit_q, max(fit_k, rel))
         queries += 2 * n
     fit = max(fit_q, fit_k)
     if fit > FIT_LIMIT and precision <= PRECISE:
