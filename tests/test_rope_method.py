@@ -79,7 +79,7 @@ def test_every_part_within_1e_8_with_exact_queries(kv, seed):
     assert (res.layer.heads, res.layer.kv_heads, res.layer.head_dim) == (4, kv, 8)
     round_q = 12 * 32 + 1 + CHECKS
     extra_rounds = res.diagnostics["rounds"] - 1
-    assert res.queries == expected_queries(32, 4, 8) + extra_rounds * round_q
+    assert res.queries == expected_queries(32, 8) + extra_rounds * round_q
     assert res.diagnostics["longest_extraction_query"] <= 16
 
 

@@ -416,8 +416,7 @@ def _expected_rope(target, args):
     from .extraction.rope import expected_queries
     info = (target.info or {}) if target is not None else {}
     f32 = str(info.get("dtype", "float64")) == "float32"
-    return expected_queries(target.d, info.get("heads"), info.get("head_dim"), int(getattr(args, "max_len", 16)),
-                            f32)
+    return expected_queries(target.d, info.get("head_dim"), int(getattr(args, "max_len", 16)), f32)
 
 
 METHODS["rope"] = Method(

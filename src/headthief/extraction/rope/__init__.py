@@ -39,9 +39,9 @@ from ...oracles.base import Oracle
 from ..check import counters, cost
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
-from .partitions import find_heads
+from .partitions import CHECKS, find_heads, round_tokens
 from .rotation import rotation_parts
-from .scores import WeightReader, find_spaces, read_forms
+from .scores import EXTRA, WeightReader, find_spaces, form_layout, oversample, read_forms, space_layout
 
 MODEL = "a causal RoPE attention layer with grouped-query heads (LlamaAttention)"
 SAVE_FORMAT = "headthief-llama-attention-1"     # safetensors metadata: LlamaAttention's tensor names, float64
@@ -201,10 +201,8 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
         progress(2)
     part = find_heads(oracle, rng, precision=eps, heads=heads, max_len=max_len, progress=progress)
     reader = WeightReader(part)
-    over = 1 if eps < 1e-10 else 4
-    sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, oversample=over,
-                     progress=progress)
-    fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, oversample=over, progress=progress)
+    sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, progress=progress)
+    fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, precision=eps, progress=progress)
     rot = rotation_parts(fm.T, fm.offsets, part.group, sp.Ua, sp.Ub, tol=part.info["linearity_tol"])
     bias = bool(np.any(np.abs(part.b) > 0))
     layer = RopeAttention(Q=rot.Q, K=rot.K, V=part.V, Wo=part.Wo, bo=part.b if bias else None, bias=bias,
@@ -254,22 +252,17 @@ def _verdict(res: RopeExtraction, oracle: Oracle, insample: float, eps: float, n
     return mc
 
 
-def expected_queries(d: int, heads: int | None, head_dim: int | None, max_len: int = 16, float32: bool = False) -> int | None:
-    """The planned query count without retries (stage H: one round), or None when the head dimension is not
-    known in advance."""
+def expected_queries(d: int, head_dim: int | None, max_len: int = 16, float32: bool = False) -> int | None:
+    """The planned query count without retries (stage H: one round), from the stages' own layouts, or None
+    when the head dimension is not known in advance."""
     if not head_dim:
         return None
-    N = min(max_len, 12)
-    rows = min(head_dim - 1, max_len - 1)
-    m = (rows + 1) // 2
-    p = rows - m
-    over = 4 if float32 else 1
-    batches = max(2, int(np.ceil((head_dim + 4) / max(m * p, 1))))
-    from .partitions import CHECKS
-    from .scores import EXTRA
-    forms = 2 * over * head_dim ** 2 + EXTRA
-    designs = 2 if max_len > min(max_len, head_dim) + 1 and (head_dim - 1) // 2 >= 1 else 1
-    return 2 + 1 + (N * d + 1 + CHECKS) + batches * 2 * (over * d + EXTRA) + designs * forms
+    over = oversample(2.0 ** -24 if float32 else 2.0 ** -53)
+    _, _, _, batches = space_layout(head_dim, max_len)
+    _, k = form_layout(head_dim, max_len)
+    probe, zero_token = 2, 1
+    stage_h = zero_token + round_tokens(max_len) * d + 1 + CHECKS
+    return probe + stage_h + batches * 2 * (over * d + EXTRA) + (2 if k else 1) * (2 * over * head_dim ** 2 + EXTRA)
 
 
 __all__ = ["RopeExtraction", "expected_queries", "extract_rope", "rope_errors"]

@@ -82,7 +82,7 @@ def measure_round(oracle: Oracle, N: int, lam: float, eta: float, rng: np.random
     """One base sequence of N tokens of entries ~ lam, every coordinate moved by eta, and CHECKS random
     moves: the classes ``J_{t,j}`` of every row whose answers are linear in the tokens to ``tol`` (relative).
     Returns (rows: {t: [J_{t,0}, ..., J_{t,t}]}, future: largest |dy_t/dx_j| over j > t relative to the
-    answers' Jacobian scale, M (J_00), b, rejected rows, queries)."""
+    answers' Jacobian scale, M (J_00), rejected rows, queries)."""
     d = oracle.d
     base = lam * rng.standard_normal((N, d))
     moves = np.repeat(base[None], N * d + 1 + CHECKS, axis=0)
@@ -108,34 +108,28 @@ def measure_round(oracle: Oracle, N: int, lam: float, eta: float, rng: np.random
             rejected.append((t, err / ref))
             continue
         rows[t] = [J[t, :, j, :].copy() for j in range(t + 1)]
-    M = J[0, :, 0, :].copy()
-    b = y0[0] - M @ base[0]
-    return rows, future, M, b, rejected, oracle.queries - before
+    return rows, future, J[0, :, 0, :].copy(), rejected, oracle.queries - before
 
 
 def _atoms(points: list[np.ndarray], counts: list[int], total: np.ndarray, tol: float):
-    """The r atoms of a group: observed classes (d x d_h each) such that every class and the group's total
-    are 0/1 sums of them. Returns (atoms, worst binary residual) or (None, reason)."""
+    """The r atoms of a group: the first r observed classes (d x d_h each), most frequent first, of which every
+    class and the group's total are 0/1 sums (singletons recur most). Returns (atoms, None) or (None, reason)."""
     P = np.stack([p.ravel() for p in points])
     s = np.linalg.svd(P, compute_uv=False)
     r = int(np.sum(s > tol * s[0]))
+    targets = np.vstack([P, total.ravel()[None]]).T                    # every class and the total, (n, m + 1)
+    scale = float(np.max(np.abs(P)))
     order = np.argsort(-np.asarray(counts), kind="stable")[:SEARCH_CANDIDATES]
-    best = None
     for combo in itertools.combinations(order, r):
         A = P[list(combo)].T                                          # (n, r)
         if _rank(A, tol) < r:
             continue
-        coef, *_ = np.linalg.lstsq(A, np.vstack([P, total.ravel()[None]]).T, rcond=None)
-        bits = np.round(coef)
-        if np.any((bits != 0) & (bits != 1)):
+        bits = np.round(np.linalg.lstsq(A, targets, rcond=None)[0])
+        if np.any((bits != 0) & (bits != 1)) or not np.all(bits[:, -1] == 1):
             continue
-        res = float(np.max(np.abs(A @ bits - np.vstack([P, total.ravel()[None]]).T))) / float(np.max(np.abs(P)))
-        if res > 10 * tol or not np.all(bits[:, -1] == 1):
-            continue
-        if best is None or res < best[1]:
-            best = ([points[i] for i in combo], res)
-            break                                   # the most frequent consistent set: singletons recur most
-    return best if best is not None else (None, f"no {r} classes of which every class is a 0/1 sum")
+        if float(np.max(np.abs(A @ bits - targets))) / scale <= 10 * tol:
+            return [points[i] for i in combo], None
+    return None, f"no {r} classes of which every class is a 0/1 sum"
 
 
 def _refit(atoms: list[np.ndarray], obs: list[np.ndarray]) -> list[np.ndarray]:
@@ -177,10 +171,7 @@ def split_heads(all_rows: list[dict], M: np.ndarray, tol: float, heads: int | No
                 break
         else:
             groups.append([B])
-    V = []
-    for g in groups:
-        V.append(_row_basis(np.vstack(g), dh))
-    V = np.stack(V)                                                   # (G, dh, d)
+    V = np.stack([_row_basis(np.vstack(g), dh) for g in groups])      # (G, dh, d)
     G = V.shape[0]
     Vs = V.reshape(G * dh, -1)
     D = np.linalg.pinv(Vs)                                            # (d, G dh): V_g D_g' = delta
@@ -220,11 +211,16 @@ def split_heads(all_rows: list[dict], M: np.ndarray, tol: float, heads: int | No
     return np.stack(O), np.asarray(grp), V, np.concatenate(Wo_cols, axis=1), {"head_dim": dh, "kv_heads": G}
 
 
+def round_tokens(max_len: int) -> int:
+    """Tokens of stage H's base sequence: a round costs round_tokens * d + 1 + CHECKS queries."""
+    return int(min(max_len, 12))
+
+
 def find_heads(oracle: Oracle, rng: np.random.Generator, *, precision: float, heads: int | None = None,
                max_len: int = 16, max_rounds: int = 6, lam: float | None = None, progress=None) -> Heads:
     """Stage H (see the module). ``precision``: the answers' relative precision (eps of float32/float64)."""
     d = oracle.d
-    N = int(min(max_len, 12))
+    N = round_tokens(max_len)
     # long tokens: scores ~ lam^2 apart; a one-coordinate move eta changes them by ~ lam eta. The classes are
     # read to ~ precision * (lam / eta) * sqrt(d) relative (the answers' rounding over the move)
     lam = float(lam if lam is not None else (200.0 if precision < 1e-10 else 30.0))
@@ -235,7 +231,7 @@ def find_heads(oracle: Oracle, rng: np.random.Generator, *, precision: float, he
     b = np.asarray(oracle.query(np.zeros((1, 1, d))), dtype=np.float64)[0, 0]     # the zero token: y = b exactly
     queries += 1
     for rnd in range(max_rounds):
-        rows, future, M_r, b_r, rej, q = measure_round(oracle, N, lam, eta, rng, tol)
+        rows, future, M_r, rej, q = measure_round(oracle, N, lam, eta, rng, tol)
         queries += q
         if progress is not None:
             progress(q)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
+from ...models.rope import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,6 @@ class Rotation:
     theta: float          # the base
     freqs: np.ndarray     # (dh/2,) every plane's frequency as read from the answers
     info: dict = field(default_factory=dict)
-
-
-def _eig_basis(P: np.ndarray):
-    lam, V = np.linalg.eig(P)
-    return lam, V, np.linalg.inv(V)
 
 
 def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: float) -> Rotation:
@@ -64,8 +60,8 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
                       for k in range(1, nD)])                                # P[k - 1]: step steps[k - 1]
         rng = np.random.default_rng(12345 + g)
         combo = np.tensordot(rng.standard_normal(nD - 1), P, axes=1)
-        _, V, Vi = _eig_basis(combo)
-        lam = np.einsum("ij,Djk,ki->Di", Vi, P, V)                             # (Dmax - 1, dh)
+        V = np.linalg.eig(combo)[1]
+        lam = np.einsum("ij,Djk,ki->Di", np.linalg.inv(V), P, V)               # (nD - 1, dh): P's eigenvalues
         unit_dev = max(unit_dev, float(np.max(np.abs(np.abs(lam) - 1))))
         ph0 = np.angle(lam[0])                                                 # -(theta) for the e^- vectors
         neg = np.flatnonzero(ph0 < 0)
@@ -99,8 +95,7 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
                                 check="rotation")
         Bs.append(B.real)
         freqs_g.append(th[order])
-    freqs_all = np.stack(freqs_g)                                              # (G, half)
-    freqs = freqs_all.mean(0)
+    freqs = np.mean(freqs_g, axis=0)                                           # (half,): the groups' average
     # base: theta_f = base^(-2f/dh); weights by each plane's sensitivity to the base
     f = np.arange(half)
     if half >= 2:
@@ -135,14 +130,10 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
 
 
 def _rot(angles: np.ndarray, dh: int) -> np.ndarray:
-    """R(angle) in transformers' layout: plane f turns coordinates (f, f + dh/2) by angles[f]."""
-    half = dh // 2
-    R = np.zeros((dh, dh))
-    c, s = np.cos(angles), np.sin(angles)
-    i = np.arange(half)
-    R[i, i], R[i + half, i + half] = c, c
-    R[i, i + half], R[i + half, i] = -s, s
-    return R
+    """R(angle) as a matrix in transformers' layout (plane f turns coordinates f and f + dh/2 by angles[f]):
+    :func:`headthief.models.rope.apply_rotary` applied to the basis vectors."""
+    cos, sin = np.cos(np.concatenate([angles, angles])), np.sin(np.concatenate([angles, angles]))
+    return apply_rotary(np.eye(dh), cos, sin).T
 
 
 __all__ = ["Rotation", "rotation_parts"]

@@ -114,54 +114,69 @@ def _wrms(y: np.ndarray, w: np.ndarray) -> float:
 
 
 def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress):
+    """The answers to X, and every head's logits against the zero token with their weights: (L, W, Y)."""
     Y = np.asarray(oracle.query(X), dtype=np.float64)
     if progress is not None:
         progress(X.shape[0])
-    return log_ratios(reader.weights(X, Y))
+    return (*log_ratios(reader.weights(X, Y)), Y)
 
 
 def _basis(vectors: np.ndarray, dh: int, what: str, fit: float, precision: float) -> tuple[np.ndarray, float]:
     """Orthonormal basis of the span of the rows of ``vectors`` (which should have rank dh), and the gap
-    ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens. A
-    wide gap with readings that are linear is imprecision (NotIdentifiable); with readings that are not, the
-    scores are not bilinear forms at each offset (ModelMismatch)."""
+    ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens (a
+    float64 misfit above FIT_LIMIT is the model's and :func:`find_spaces` has said so already), so a wide gap
+    here is imprecision: NotIdentifiable."""
     _, s, Vt = np.linalg.svd(vectors, full_matrices=False)
     gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
     if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
         raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")
-    gap_limit, fit_limit = GAP_LIMIT, FIT_LIMIT
-    if gap > gap_limit:
-        if fit > fit_limit and precision > PRECISE:
+    if gap > GAP_LIMIT:
+        if fit > FIT_LIMIT:
             raise NotIdentifiable(
                 f"the {what} readings are too imprecise at this answer precision ({precision:.2g}: the heads' "
                 f"attention weights are read from one answer through a change of basis of condition ~d, so "
                 f"log(a_i / a_0) fits linear functions of the varied token only to {fit:.2g} relative, and the "
                 f"space's {dh + 1}-th direction is {gap:.3g} of its {dh}-th): a wrong score form cannot be told "
                 "from imprecision here")
-        if fit > fit_limit:
-            raise ModelMismatch(
-                f"the attention logits log(a_i / a_0) are not bilinear in the query and key tokens at a fixed "
-                f"offset (relative misfit {fit:.3g} > {fit_limit:.3g}; the {what} spans more than d_h = {dh} "
-                f"dimensions, gap {gap:.3g}): a position bias of its own in the scores (ALiBi), absolute "
-                "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=fit_limit)
         raise NotIdentifiable(f"the {what} readings are too imprecise to fix a {dh}-dimensional space (singular "
                               f"value {dh + 1} is {gap:.3g} of the {dh}-th; the readings fit linear functions to "
                               f"{fit:.2g} relative)")
     return Vt[:dh].T, gap
 
 
+def space_layout(dh: int, max_len: int) -> tuple[int, int, int, int]:
+    """(rows, m, p, batches) of the space queries: rows t <= d_h - 1 (fewer weights than numbers, an
+    overdetermined solve), m keys at positions 1..m and p queries at m + 1..rows after the zero token; each
+    batch is two sets of queries (varying queries, varying keys)."""
+    rows = int(min(dh - 1, max_len - 1))
+    m = (rows + 1) // 2
+    p = rows - m
+    return rows, m, p, max(2, int(np.ceil((dh + 4) / max(m * p, 1))))
+
+
+def form_layout(dh: int, max_len: int) -> tuple[int, int]:
+    """(N, k) of the form queries: N = min(max_len, d_h) tokens (rows t <= d_h - 1); where max_len > N + 1, a
+    second design of max_len tokens with k keys after the zero token and k queries at the end (k = 0: none)."""
+    N = int(min(max_len, dh))
+    k = (dh - 1) // 2
+    return N, (k if max_len > N + 1 and k >= 1 else 0)
+
+
+def oversample(precision: float) -> int:
+    """Queries per unknown beyond the floor: float64 answers read the weights to ~1e-12, float32 ones to ~1e-3
+    (4x more readings)."""
+    return 1 if precision <= PRECISE else 4
+
+
 def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.random.Generator, *, max_len: int,
-                precision: float, oversample: int = 1, progress=None) -> Spaces:
+                precision: float, progress=None) -> Spaces:
     """Query spaces per head and key spaces per group (see the module)."""
     d, H, dh = oracle.d, heads.heads, heads.head_dim
-    rows = int(min(dh - 1, max_len - 1))    # rows t <= d_h - 1: fewer weights than numbers, an overdetermined solve
-    m = (rows + 1) // 2                     # keys at positions 1..m, queries at m + 1..rows
-    p = rows - m
+    rows, m, p, batches = space_layout(dh, max_len)
     if m < 1 or p < 1:
         raise NotIdentifiable(f"max_len={max_len} (head dimension {dh}) leaves no room for keys and queries after "
                               "the zero token")
-    batches = max(2, int(np.ceil((dh + 4) / (m * p))))
-    n = oversample * d + EXTRA
+    n = oversample(precision) * d + EXTRA
     qvec = [[] for _ in range(H)]
     kvec = [[] for _ in range(H)]
     queries, fit_q, fit_k = 0, 0.0, 0.0
@@ -173,7 +188,7 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
             X = np.zeros((n, rows + 1, d))
             X[:, keys] = rng.standard_normal((m, d))[None] if vary_queries else rng.standard_normal((n, m, d))
             X[:, qs] = rng.standard_normal((n, p, d)) if vary_queries else rng.standard_normal((p, d))[None]
-            L, W = _ask(oracle, X, reader, progress)                  # (n, H, N, N)
+            L, W, _ = _ask(oracle, X, reader, progress)               # (n, H, N, N)
             for h in range(H):
                 for t in qs:
                     for i in keys:
@@ -196,33 +211,25 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
         raise ModelMismatch(f"the score forms do not change with the offset (one query's key vectors at offsets "
                             f"1..{rows - 1} agree to {spread:.2g}): not a rotary layer (no rotation: use --method "
                             "vector)", check="rotation", figure=spread, threshold=max(1e-6, 100 * fit_k))
-    Ua, qgap = [], 0.0
-    for h in range(H):
-        B, g = _basis(np.stack(qvec[h]), dh, "query space", fit_q, precision)
-        Ua.append(B)
-        qgap = max(qgap, g)
-    kb = []
-    kgap = 0.0
-    for h in range(H):
-        B, g = _basis(np.stack(kvec[h]), dh, "key space", fit_k, precision)
-        kb.append(B)
-        kgap = max(kgap, g)
+    Ua, qgaps = zip(*[_basis(np.stack(qvec[h]), dh, "query space", fit_q, precision) for h in range(H)])
+    kb, kgaps = zip(*[_basis(np.stack(kvec[h]), dh, "key space", fit_k, precision) for h in range(H)])
+    qgap, kgap = max(qgaps), max(kgaps)
     # key groups: heads whose key spaces coincide
     G = int(heads.group.max()) + 1
     same = np.array([[_subspace_gap(kb[i].T, kb[j].T) for j in range(H)] for i in range(H)])
     within = max([same[i, j] for i in range(H) for j in range(H) if heads.group[i] == heads.group[j]] + [0.0])
     across = min([same[i, j] for i in range(H) for j in range(H) if heads.group[i] != heads.group[j]] + [1.0])
-    gap_limit = GAP_LIMIT
-    if within > gap_limit or across < 10 * gap_limit:
+    if within > GAP_LIMIT or across < 10 * GAP_LIMIT:
         raise ModelMismatch(f"the heads' key spaces do not fall into the value groups of stage H (largest angle "
                             f"sine within a group {within:.3g}, smallest across {across:.3g}): keys and values are "
                             "not shared by the same groups of heads", check="key/value groups", figure=within,
-                            threshold=gap_limit)
+                            threshold=GAP_LIMIT)
     Ub = []
     for g in range(G):
         members = np.flatnonzero(heads.group == g)
         Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k, precision)[0])
-    info = {"space_queries": queries, "keys_per_space_query": m, "queries_per_space_query": p, "query_fit_rms": fit_q, "key_fit_rms": fit_k, "query_space_gap": qgap, "key_space_gap": kgap,
+    info = {"space_queries": queries, "keys_per_space_query": m, "queries_per_space_query": p,
+            "query_fit_rms": fit_q, "key_fit_rms": fit_k, "query_space_gap": qgap, "key_space_gap": kgap,
             "key_angle_within_group": within, "key_angle_across_groups": across}
     return Spaces(Ua=tuple(Ua), Ub=tuple(Ub), queries=queries, info=info)
 
@@ -233,7 +240,7 @@ class Forms:
     offsets: np.ndarray  # the offsets D read, ascending (1 first)
     residual: float      # rms residual of the fits over the rms of the readings
     queries: int
-    reads: tuple         # (X, L) of the random sequences, kept for the in-sample error
+    reads: tuple         # (X, Y): the random sequences and their answers, kept for the in-sample error
     info: dict = field(default_factory=dict)
 
 
@@ -244,15 +251,14 @@ def _fit_forms(X, L, W, Ua, Ub, group) -> tuple[dict, float, int]:
     feats_by = {}
     for Xs, Ls, Ws in zip(X, L, W):
         n, N, _ = Xs.shape
+        live = np.any(Xs != 0, axis=(0, 2))                          # the tokens that are not zero tokens
+        pairs = [(t, i) for t in range(N) for i in range(1, t) if live[t] and live[i]]
         for h in range(H):
             qa = np.einsum("ktd,de->kte", Xs, Ua[h])
             kb = np.einsum("ktd,de->kte", Xs, Ub[group[h]])
-            for t in range(N):
-                for i in range(1, t):
-                    if not np.any(Xs[:, i]) or not np.any(Xs[:, t]):
-                        continue
-                    f = np.einsum("ka,kb->kab", qa[:, t], kb[:, i]).reshape(n, -1)
-                    feats_by.setdefault((h, t - i), []).append((f, Ls[:, h, t, i], Ws[:, h, t, i]))
+            for t, i in pairs:
+                f = np.einsum("ka,kb->kab", qa[:, t], kb[:, i]).reshape(n, -1)
+                feats_by.setdefault((h, t - i), []).append((f, Ls[:, h, t, i], Ws[:, h, t, i]))
     T, num, den, bad = {}, 0.0, 0.0, 0
     for (h, D), parts in feats_by.items():
         F = np.concatenate([p[0] for p in parts])
@@ -270,34 +276,25 @@ def _fit_forms(X, L, W, Ua, Ub, group) -> tuple[dict, float, int]:
 
 
 def read_forms(oracle: Oracle, heads: Heads, spaces: Spaces, reader: WeightReader, rng: np.random.Generator, *,
-               max_len: int, oversample: int = 1, progress=None) -> Forms:
+               max_len: int, precision: float, progress=None) -> Forms:
     """Every head's score form ``T_h(D)`` at the offsets D = 1 .. N - 2 (N = min(max_len, d_h)): random
     sequences after the zero token. Where max_len > d_h, also long sequences with zero tokens in the middle
     (a block of keys after the zero token, zeros, a block of queries at the end) read the large offsets
     (more turn of the slow planes, hence their frequencies and planes more precisely)."""
     d, H, dh = oracle.d, heads.heads, heads.head_dim
-    N = int(min(max_len, dh))          # rows t <= d_h - 1: at most d_h - 1 weights from d_h numbers per head
+    N, k = form_layout(dh, max_len)
     if N - 2 < 1:
         raise NotIdentifiable(f"max_len={max_len}: sequences of {N} tokens read no offset")
-    n = 2 * oversample * dh * dh + EXTRA
+    n = 2 * oversample(precision) * dh * dh + EXTRA
     X = np.zeros((n, N, d))
     X[:, 1:] = rng.standard_normal((n, N - 1, d))
     designs = [X]
-    k = (dh - 1) // 2
-    if max_len > N + 1 and k >= 1:
+    if k:
         Xl = np.zeros((n, int(max_len), d))
         Xl[:, 1:k + 1] = rng.standard_normal((n, k, d))
         Xl[:, max_len - k:] = rng.standard_normal((n, k, d))
         designs.append(Xl)
-    Ls, Ws, Ys = [], [], []
-    for Xs in designs:
-        Y = np.asarray(oracle.query(Xs), dtype=np.float64)
-        if progress is not None:
-            progress(Xs.shape[0])
-        L, W = log_ratios(reader.weights(Xs, Y))
-        Ls.append(L)
-        Ws.append(W)
-        Ys.append(Y)
+    Ls, Ws, Ys = zip(*[_ask(oracle, Xs, reader, progress) for Xs in designs])
     T, residual, bad = _fit_forms(designs, Ls, Ws, spaces.Ua, spaces.Ub, heads.group)
     offsets = sorted({D for (_, D) in T})
     offsets = [D for D in offsets if all((h, D) in T for h in range(H))]
@@ -309,4 +306,5 @@ def read_forms(oracle: Oracle, heads: Heads, spaces: Spaces, reader: WeightReade
                  reads=(designs[0], Ys[0]), info=info)
 
 
-__all__ = ["Forms", "Spaces", "WeightReader", "find_spaces", "log_ratios", "read_forms"]
+__all__ = ["Forms", "Spaces", "WeightReader", "find_spaces", "form_layout", "log_ratios", "oversample", "read_forms",
+           "space_layout"]
