@@ -29,9 +29,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...errors import SpecError
 from ...oracles.base import Oracle
-from ..check import counters, cost
+from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
@@ -258,30 +258,21 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 
 
 def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed) -> ModelCheck:
-    kind = oracle.output.describe(oracle.d_out)
-    if n <= 0:
-        return ModelCheck("unchecked", MODEL, kind, detail="no fresh sequences asked (verify n = 0)")
-    try:
-        f = res.verify(oracle, n, rng=seed)
-    except BudgetExceeded as e:
-        return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
     parts = max(float(res.diagnostics["one_token_fidelity"]), float(res.diagnostics["heads_residual"]), 30.0 * eps,
                 1e-13)
-    threshold = CHECK_FACTOR * max(insample, parts)
-    ok = f.max_rel_err <= threshold and insample <= CHECK_FACTOR * parts
-    detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to 16 tokens (every position); threshold "
-              f"{threshold:.3g}: {CHECK_FACTOR}x the larger of the error on stage L's answers ({insample:.3g}) and the "
-              f"parts' own precision ({parts:.3g}: one-token fidelity, the heads' residual, 30x the answers' "
-              f"precision {eps:.2g})" + ("" if insample <= CHECK_FACTOR * parts else
-                                         f"; the error on stage L's answers is itself above {CHECK_FACTOR}x the parts'"))
-    mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
-    if not ok:
-        err = ModelMismatch(f"the target does not behave like {MODEL}: {detail}", check="fidelity",
-                            figure=f.max_rel_err, threshold=threshold)
-        err.model_check = mc
-        err.result = dataclasses.replace(res, check=mc)
-        raise err
-    return mc
+
+    def judge(f):
+        threshold = CHECK_FACTOR * max(insample, parts)
+        detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to 16 tokens (every position); "
+                  f"threshold {threshold:.3g}: {CHECK_FACTOR}x the larger of the error on stage L's answers "
+                  f"({insample:.3g}) and the parts' own precision ({parts:.3g}: one-token fidelity, the heads' "
+                  f"residual, 30x the answers' precision {eps:.2g})" + (
+                      "" if insample <= CHECK_FACTOR * parts else
+                      f"; the error on stage L's answers is itself above {CHECK_FACTOR}x the parts'"))
+        ok = f.max_rel_err <= threshold and insample <= CHECK_FACTOR * parts
+        return ok, threshold, detail, f"the target does not behave like {MODEL}: {detail}"
+
+    return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge)
 
 
 __all__ = ["BlockExtraction", "assemble", "block_errors", "expected_queries", "extract_block"]

@@ -32,11 +32,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...errors import SpecError
 from ...models.rope import RopeAttention
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
-from ..check import counters, cost
+from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .partitions import CHECKS, find_heads, round_tokens
@@ -226,30 +226,19 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
 
 
 def _verdict(res: RopeExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed, verify_len) -> ModelCheck:
-    kind = oracle.output.describe(oracle.d_out)
-    if n <= 0:
-        return ModelCheck("unchecked", MODEL, kind, detail="no fresh sequences asked (verify n = 0)")
-    try:
-        f = res.verify(oracle, n, rng=seed, max_len=verify_len)
-    except BudgetExceeded as e:
-        return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
-    threshold = CHECK_FACTOR * max(insample, 30.0 * eps, 1e-13)
-    ok = f.max_rel_err <= threshold and insample <= FIT_LIMIT
-    detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to {verify_len} tokens (every position; "
-              f"the extraction's longest query had {res.diagnostics['longest_extraction_query']}); threshold "
-              f"{threshold:.3g}: {CHECK_FACTOR}x the error on the answers paid for ({insample:.3g}), floored at 30x "
-              f"the answers' precision {eps:.2g}" + ("" if insample <= FIT_LIMIT else
-                                                      f"; the layer does not fit the answers paid for ({insample:.3g} > "
-                                                      f"{FIT_LIMIT})"))
-    mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
-    if not ok:
-        err = ModelMismatch(f"the target does not behave like {MODEL}: {detail} (a sliding window, a position "
-                            "bias, or a layer this method cannot resolve)", check="fidelity",
-                            figure=f.max_rel_err, threshold=threshold)
-        err.model_check = mc
-        err.result = dataclasses.replace(res, check=mc)
-        raise err
-    return mc
+    def judge(f):
+        threshold = CHECK_FACTOR * max(insample, 30.0 * eps, 1e-13)
+        detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to {verify_len} tokens (every "
+                  f"position; the extraction's longest query had {res.diagnostics['longest_extraction_query']}); "
+                  f"threshold {threshold:.3g}: {CHECK_FACTOR}x the error on the answers paid for ({insample:.3g}), "
+                  f"floored at 30x the answers' precision {eps:.2g}" + (
+                      "" if insample <= FIT_LIMIT else
+                      f"; the layer does not fit the answers paid for ({insample:.3g} > {FIT_LIMIT})"))
+        message = (f"the target does not behave like {MODEL}: {detail} (a sliding window, a position bias, or a "
+                   "layer this method cannot resolve)")
+        return f.max_rel_err <= threshold and insample <= FIT_LIMIT, threshold, detail, message
+
+    return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge, max_len=verify_len)
 
 
 def expected_queries(d: int, head_dim: int | None, max_len: int = 16, float32: bool = False) -> int | None:

@@ -25,10 +25,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, NotIdentifiable, SpecError
+from ...errors import NotIdentifiable, SpecError
 from ...models.mha import CanonicalLayer
 from ...oracles.base import Oracle
-from ..check import counters, cost
+from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck
 from ..result import Fidelity, freeze_fields
 from .affine import affine_part
@@ -226,32 +226,20 @@ def _insample(layer: CanonicalLayer, reads) -> float:
 
 
 def _verdict(res: VectorExtraction, oracle: Oracle, rel_noise: float, insample: float, n: int, seed) -> ModelCheck:
-    kind = oracle.output.describe(oracle.d_out)
-    if n <= 0:
-        return ModelCheck("unchecked", MODEL, kind, detail="no fresh sequences asked (verify n = 0)")
-    try:
-        f = res.verify(oracle, n, rng=seed)
-    except BudgetExceeded as e:
-        return ModelCheck("unchecked", MODEL, kind, detail=f"the query budget ran out before the check ({e})")
-    # the method's own precision: its error on the answers it was fitted to, floored at 30x the answers'
-    # measured noise; a fresh sequence an order of magnitude worse than that is not the assumed model
-    threshold = 10.0 * max(insample, 30.0 * rel_noise, 1e-13)
-    ok = f.max_rel_err <= threshold and insample <= FIT_LIMIT
-    detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences (every answered number); threshold "
-              f"{threshold:.3g}: 10x the method's error on the answers it was fitted to ({insample:.3g}), "
-              f"floored at 30x the answers' measured relative noise {rel_noise:.3g}")
-    mc = ModelCheck("pass" if ok else "fail", MODEL, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
-    if not ok:
-        err = ModelMismatch(
-            f"the target does not behave like {MODEL}: {detail}" + (
-                f"; the layer does not even fit the answers it was fitted to (error {insample:.3g} > {FIT_LIMIT})"
-                if insample > FIT_LIMIT else "")
-            + " (a deeper model, a nonlinearity after the attention, or a layer this method cannot resolve)",
-            check="fidelity", figure=f.max_rel_err, threshold=threshold)
-        err.model_check = mc
-        err.result = dataclasses.replace(res, check=mc)
-        raise err
-    return mc
+    def judge(f):
+        # the method's own precision: its error on the answers it was fitted to, floored at 30x the answers'
+        # measured noise; a fresh sequence an order of magnitude worse than that is not the assumed model
+        threshold = 10.0 * max(insample, 30.0 * rel_noise, 1e-13)
+        detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences (every answered number); threshold "
+                  f"{threshold:.3g}: 10x the method's error on the answers it was fitted to ({insample:.3g}), "
+                  f"floored at 30x the answers' measured relative noise {rel_noise:.3g}")
+        message = (f"the target does not behave like {MODEL}: {detail}" + (
+            f"; the layer does not even fit the answers it was fitted to (error {insample:.3g} > {FIT_LIMIT})"
+            if insample > FIT_LIMIT else "")
+            + " (a deeper model, a nonlinearity after the attention, or a layer this method cannot resolve)")
+        return f.max_rel_err <= threshold and insample <= FIT_LIMIT, threshold, detail, message
+
+    return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge)
 
 
 __all__ = ["extract_vector", "VectorExtraction", "vector_fidelity"]
