@@ -118,6 +118,16 @@ def test_401_without_a_valid_key(api, auth):
     (json.dumps({"sequences": np.full((64, 16, D), -1.2345678901234567e-100).tolist()}).encode(), "application/json", 413,
      "the most for JSON is 100000"),
     (b"[" * 50_000 + b"]" * 50_000, "application/json", 422, "nests lists deeper"),
+    # JSON over max_body_bytes (200000) is not held but counted as it streams by: beyond the batch limits 422,
+    # whatever its size (Schemathesis's maxItems cases with long decimals), else 413
+    (json.dumps({"sequences": np.full((200, 16, D), -1.2345678901234567e-100).tolist()}).encode(), "application/json",
+     422, "more than 64 sequences (counted without parsing"),
+    (json.dumps({"sequences": [np.full((3, D), -1.2345678901234567e-100).tolist()] * 3000}).encode(), "application/json",
+     422, "more than 64 sequences"),
+    (json.dumps({"sequences": np.full((1, 20_000, D), 0.1234567).tolist()}).encode(), "application/json", 422,
+     "sequence 0 has more than 16 tokens"),
+    (json.dumps({"sequences": np.full((64, 16, D), 1.2345678901234567e-100).tolist()}).encode() + b" " * 200_000,
+     "application/json", 413, "send it as application/x-npy"),
 ])
 def test_malformed_or_oversized_batches_name_the_problem(api, body, ctype, status, words):
     s, c, keys, db = api
@@ -127,6 +137,25 @@ def test_malformed_or_oversized_batches_name_the_problem(api, body, ctype, statu
     assert r.status_code == status, r.text
     assert words in r.json()["detail"]
     assert c.get("/v1/usage", headers={"Authorization": f"Bearer {keys['free']}"}).json()["used"] == before
+
+
+def test_an_oversized_json_body_is_counted_as_it_streams_only_for_a_known_key(api):
+    """Without a Content-Length (chunked) and without a content type (JSON by default), a body that grows
+    past max_body_bytes is still counted: 422 for too many sequences. An unknown key is refused (401)
+    before anything more is read."""
+    s, c, keys, db = api
+    body = json.dumps({"sequences": np.full((300, 16, D), -1.2345678901234567e-100).tolist()}).encode()
+    assert len(body) > 200_000
+
+    def chunks():
+        for i in range(0, len(body), 7_000):
+            yield body[i:i + 7_000]
+
+    r = c.post("/v1/query", content=chunks(), headers={"Authorization": f"Bearer {keys['free']}"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert r.status_code == 422 and r.json()["error"] == "batch_too_large", r.text
+    r = c.post("/v1/query", content=body, headers={"Authorization": "Bearer ht_not_a_key"})
+    assert r.status_code == 401, r.text
 
 
 def test_nan_in_a_binary_batch_is_422(api):

@@ -2,14 +2,17 @@
 
 ``POST /v1/query`` handles a request in this order, answering the first problem it finds:
 
-1. a ``Content-Length`` above ``max_body_bytes``: **413** at once, before the body is read (a body
-   without a length that grows past it: **413** as soon as it does);
+1. a body above ``max_body_bytes`` (by its ``Content-Length``, or as soon as it grows past it): not
+   held. A binary one: **413** at once, unread. A JSON one from a known key (else **401**) is counted as
+   it streams by, in constant memory (:class:`~headthief.server.framing.BatchScan`): **422** as soon as
+   it shows more than ``max_batch`` sequences (or, at its end, a sequence of more than ``max_len``
+   tokens), else **413** (at most ``SCAN_FACTOR * max_body_bytes`` bytes are read: past that, **413**);
 2. ``Authorization: Bearer KEY`` names a known, unrevoked key, else **401**;
 3. an ``Idempotency-Key`` header, if sent, has 1 to 255 characters, else **400**; without one the
    request is answered and charged every time it is sent (``--require-idempotency``: **400**);
 4. the content type is JSON, ``application/x-npy`` or ``application/x-headthief-sparse``, else **415**;
    a JSON body above ``max_json_bytes`` is not parsed: **422** if its brackets and commas show more
-   than ``max_batch`` elements or ``max_len`` in one (:func:`~headthief.server.framing.json_batch_excess`),
+   than ``max_batch`` elements or ``max_len`` in one (:class:`~headthief.server.framing.BatchScan`),
    else **413**; the body decodes into sequences of the published dimension, every entry finite and
    every token within the input-norm bound, at most ``max_batch`` sequences of at most ``max_len``
    tokens, else **422** naming the problem; its answer fits one answer body (``max_answer_numbers``
@@ -60,14 +63,15 @@ from ..oracles.answers import Output, lengths_of, numbers_of
 from ..oracles.http import payload_hash
 from .accounts import Accounts, KeyRecord
 from .defences import D_MAX, Defence, Prada, parse_defence
-from .framing import (ANSWERS, FRAMINGS, JSON, NPY, SPARSE, FramingError, decode, encode_json, encode_npy,
-                      json_batch_excess, media_type)
+from .framing import (ANSWERS, FRAMINGS, JSON, NPY, SPARSE, BatchScan, FramingError, decode, encode_json,
+                      encode_npy, json_batch_excess, media_type)
 
 MAX_BODY_BYTES = 64 * 2**20     # binary bodies (.npy, sparse): viewed in place, about their own size in memory
 MAX_JSON_BYTES = 8 * 2**20      # JSON bodies: parsing costs about 10x the text in Python objects
 LARGE_BODY = 2**20              # a body above this many bytes takes one of LARGE_BODIES slots while it is held
 LARGE_BODIES = 4
 LARGE_JSON = 2**20              # JSON bodies above this size are parsed one at a time
+SCAN_FACTOR = 8                 # JSON above max_body_bytes: counted as it streams by, for at most this many limits
 QUERY_THREADS = 40          # query requests computed at once (as many as Starlette's default thread pool)
 MAX_IDEM_KEY = 255
 AUTO_KEY_PREFIX = "auto:"      # + 128 random bits: the ledger key of a request sent without an Idempotency-Key
@@ -118,6 +122,14 @@ def check_defence(target, defence: Defence, whose: str = "the server's") -> None
         raise SpecError(f"{whose} defences ask for sign-only answers (one bit per sequence), but the target "
                         f"{target.spec} answers {kind.describe(d_out)}: sign-only output is refused for vector "
                         "targets (noise and rounding apply per coordinate)")
+
+
+class _Oversized(Exception):
+    """A body without a Content-Length grew past ``max_body_bytes``: what was read of it (``head``)."""
+
+    def __init__(self, head: bytes):
+        super().__init__(len(head))
+        self.head = head
 
 
 class Problem(Exception):
@@ -597,10 +609,10 @@ def create_app(service: Service):
                          409: err("a request with this Idempotency-Key is still in flight (`in_flight`, with "
                                   "Retry-After), or the key was charged before for another payload "
                                   "(`idempotency_key_reused`)", retry_after),
-                         413: err(f"a body of more than max_body_bytes ({service.max_body_bytes}) bytes, or a JSON "
-                                  f"body of more than max_json_bytes ({service.max_json_bytes}) within the batch "
-                                  "limits (a batch beyond them is 422: max_batch and max_len are fitted so that "
-                                  "a full batch fits max_body_bytes as float64)"),
+                         413: err(f"a binary body of more than max_body_bytes ({service.max_body_bytes}) bytes, or "
+                                  f"a JSON body of more than max_json_bytes ({service.max_json_bytes}) within the "
+                                  "batch limits (a JSON batch beyond them is 422 whatever its size: it is counted "
+                                  "as it streams by)"),
                          415: err("unsupported content type"),
                          422: err("a malformed batch: it does not decode, a wrong dimension, an empty sequence, "
                                   "a non-finite or too large entry, a token beyond the input-norm bound, more "
@@ -620,14 +632,49 @@ def create_app(service: Service):
             limit = service.max_body_bytes
             length = h.get("content-length")
             length = int(length) if length is not None and length.isdigit() else None
-            if length is not None and length > limit:      # refused unread: it costs no memory
-                raise Problem(413, "payload_too_large", f"the body has {length} bytes; the most is {limit}")
-            if length is not None and length <= LARGE_BODY:
-                return await compute(h, await read_body(chunks, length, limit))
-            async with large:       # a large body waits here, unread, while LARGE_BODIES others are held
-                return await compute(h, await read_body(chunks, length, limit))
+            if length is not None and length > limit:      # never held: it costs no memory
+                await oversized(h, chunks, b"", length)
+            try:
+                if length is not None and length <= LARGE_BODY:
+                    body = await read_body(chunks, length, limit)
+                else:
+                    async with large:       # a large body waits here, unread, while LARGE_BODIES others are held
+                        body = await read_body(chunks, length, limit)
+            except _Oversized as o:         # no Content-Length, and it grew past the limit
+                await oversized(h, chunks, o.head, None)
+            return await compute(h, body)
         except Problem as p:
             return problem_response(p)
+
+    async def oversized(h, chunks, head: bytes, length: int | None) -> None:
+        """A body above ``max_body_bytes``: always a Problem. A binary one is refused unread (413). A JSON
+        one that goes beyond the published batch limits is told so (422), as a parsed batch would be:
+        Schemathesis builds such batches from the schema's ``maxItems``, and with long decimals (or
+        whitespace) they outgrow the byte limit. It is counted as it streams by (BatchScan: a few MB
+        whatever its size), only for a known key, and for at most SCAN_FACTOR byte limits."""
+        limit = service.max_body_bytes
+        size = f"{length} bytes" if length is not None else f"more than {limit} bytes"
+        if (media_type(h.get("content-type")) or JSON) != JSON:
+            raise Problem(413, "payload_too_large", f"the body has {size}; the most is {limit}")
+        rec = await asyncio.get_running_loop().run_in_executor(
+            service.workers(), service.authenticate, h.get("authorization"))        # 401 before reading on
+        defence = service.defence_for(rec)
+        scan, seen = BatchScan(defence.max_batch, defence.max_len), 0
+        excess = scan.feed(head)
+        if excess is None:
+            async for chunk in chunks:
+                seen += len(chunk)
+                if seen + len(head) > SCAN_FACTOR * limit:
+                    break
+                excess = scan.feed(chunk)
+                if excess is not None:
+                    break
+            else:
+                excess = scan.finish()
+        if excess is not None:
+            raise Problem(422, excess[0], excess[1])
+        raise Problem(413, "payload_too_large", f"the body has {size}; the most is {limit} (a JSON body within "
+                      "the batch limits: send it as application/x-npy, or split it)")
 
     async def compute(h, body) -> Response:
         # a plain executor: anyio's run_in_threadpool costs several times the hop itself
@@ -641,12 +688,12 @@ def create_app(service: Service):
 
     async def read_body(chunks, length: int | None, limit: int) -> bytearray:
         """The body, into one buffer preallocated from the Content-Length (no joins; the npy decoder
-        views it in place), at most ``limit`` bytes (else 413)."""
+        views it in place), at most ``limit`` bytes (else _Oversized, with what was read)."""
         body, size = bytearray(length if length is not None and length <= limit else 0), 0
         async for chunk in chunks:
             end = size + len(chunk)
             if end > limit:
-                raise Problem(413, "payload_too_large", f"the body has more than {limit} bytes")
+                raise _Oversized(bytes(body[:size]) + bytes(chunk))
             if end <= len(body):
                 body[size:end] = chunk          # same length: copied in place
             else:

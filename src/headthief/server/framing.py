@@ -101,53 +101,75 @@ def decode_json(body: bytes) -> "list[np.ndarray] | np.ndarray":
     return out
 
 
-SCAN_CHUNK = 2**20      # bytes scanned at once by json_batch_excess (its temporaries: ~8 bytes per byte of a chunk)
+SCAN_CHUNK = 2**20      # bytes scanned at once by BatchScan (its temporaries: ~8 bytes per byte of a chunk)
 
 
-def json_batch_excess(body, max_batch: int, max_len: int) -> "tuple[str, str] | None":
-    """For a JSON body too large to parse: whether it has more sequences than ``max_batch`` or a sequence
-    of more tokens than ``max_len``, counted without parsing. The bracket depth of every byte is a running
-    sum of ``[`` (+1) and ``]`` (-1); the commas at depth 1 separate the elements of the batch, those at
-    depth 2 the elements of one of them, whatever the elements are (lists, numbers, ``false``: a batch
-    of 4,097 things is too large whatever they are). Scanned in chunks of :data:`SCAN_CHUNK` bytes
-    with numpy (no Python object per element; a few MB of temporaries). ``(error, detail)`` (too many
-    sequences before too many tokens, as for a parsed batch), None if neither."""
-    mv = memoryview(body)
-    size = len(mv)
-    depth = 0               # the bracket depth before the chunk
-    n_sep = 0               # commas at depth 1 so far: the batch has n_sep + 1 elements
-    run = 0                 # commas at depth 2 in the current element so far
-    too_long = None
-    for off in range(0, size, SCAN_CHUNK):
-        a = np.frombuffer(mv, dtype=np.uint8, count=min(SCAN_CHUNK, size - off), offset=off)
+class BatchScan:
+    """For a JSON body too large to parse, fed as it arrives: whether it has more sequences than
+    ``max_batch`` or a sequence of more tokens than ``max_len``, counted without parsing. The bracket
+    depth of every byte is a running sum of ``[`` (+1) and ``]`` (-1); the commas at depth 1 separate
+    the elements of the batch, those at depth 2 the elements of one of them, whatever the elements are
+    (lists, numbers, ``false``: a batch of 4,097 things is too large whatever they are). Scanned in
+    pieces of at most :data:`SCAN_CHUNK` bytes with numpy (no Python object per element; a few MB of
+    temporaries), so a body of any size is counted in constant memory.
+
+    :meth:`feed` answers ``(error, detail)`` as soon as the batch has too many sequences;
+    :meth:`finish` (at the end of the body) a sequence of too many tokens, else None (too many
+    sequences is named before too many tokens, as for a parsed batch)."""
+
+    def __init__(self, max_batch: int, max_len: int):
+        self.max_batch, self.max_len = int(max_batch), int(max_len)
+        self.depth = 0          # the bracket depth before the next byte
+        self.n_sep = 0          # commas at depth 1 so far: the batch has n_sep + 1 elements
+        self.run = 0            # commas at depth 2 in the current element so far
+        self.too_long = None    # the first sequence of more than max_len tokens
+
+    def feed(self, data) -> "tuple[str, str] | None":
+        mv = memoryview(data).cast("B")
+        for off in range(0, len(mv), SCAN_CHUNK):
+            if self._piece(np.frombuffer(mv, dtype=np.uint8, count=min(SCAN_CHUNK, len(mv) - off), offset=off)):
+                return "batch_too_large", (f"the batch has more than {self.max_batch} sequences (counted without "
+                                           "parsing: the body is too large to parse as JSON); the most is "
+                                           f"{self.max_batch}")
+        return None
+
+    def finish(self) -> "tuple[str, str] | None":
+        if self.too_long is None:
+            return None
+        return "sequence_too_long", (f"sequence {self.too_long} has more than {self.max_len} tokens (counted "
+                                     "without parsing: the body is too large to parse as JSON); the most is "
+                                     f"{self.max_len}")
+
+    def _piece(self, a: np.ndarray) -> bool:
+        """Count one piece; True once the batch has more than max_batch elements."""
         step = (a == 0x5B).view(np.int8) - (a == 0x5D).view(np.int8)
         after = np.cumsum(step, dtype=np.int64)
         del step
         commas = np.flatnonzero(a == 0x2C)
-        dc = after[commas] + depth
-        depth += int(after[-1])
+        dc = after[commas] + self.depth
+        self.depth += int(after[-1])
         del after
         c1, c2 = commas[dc == 1], commas[dc == 2]
         del commas, dc
-        if too_long is None and len(c2):
-            # commas at depth 2 per element: those before the chunk's first depth-1 comma continue the
+        if self.too_long is None and len(c2):
+            # commas at depth 2 per element: those before the piece's first depth-1 comma continue the
             # element in progress
             counts = np.bincount(np.searchsorted(c1, c2), minlength=len(c1) + 1)
-            counts[0] += run
-            over = np.flatnonzero(counts >= max_len)        # counts[i] + 1 tokens
+            counts[0] += self.run
+            over = np.flatnonzero(counts >= self.max_len)        # counts[i] + 1 tokens
             if len(over):
-                too_long = n_sep + int(over[0])
-            run = int(counts[-1])
+                self.too_long = self.n_sep + int(over[0])
+            self.run = int(counts[-1])
         elif len(c1):
-            run = 0
-        n_sep += len(c1)
-        if n_sep >= max_batch:
-            return "batch_too_large", (f"the batch has more than {max_batch} sequences (counted without parsing: "
-                                       f"the body is too large to parse as JSON); the most is {max_batch}")
-    if too_long is not None:
-        return "sequence_too_long", (f"sequence {too_long} has more than {max_len} tokens (counted without "
-                                     f"parsing: the body is too large to parse as JSON); the most is {max_len}")
-    return None
+            self.run = 0
+        self.n_sep += len(c1)
+        return self.n_sep >= self.max_batch
+
+
+def json_batch_excess(body, max_batch: int, max_len: int) -> "tuple[str, str] | None":
+    """:class:`BatchScan` over a whole body held in memory: ``(error, detail)`` or None."""
+    scan = BatchScan(max_batch, max_len)
+    return scan.feed(body) or scan.finish()
 
 
 def _npy_fast(body) -> "np.ndarray | None":
