@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import SpecError
+from ...errors import NotIdentifiable, SpecError
 from ...models.rope import RopeAttention
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
@@ -41,7 +41,7 @@ from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .partitions import CHECKS, find_heads, round_tokens
 from .rotation import rotation_parts
-from .scores import EXTRA, WeightReader, find_spaces, form_layout, oversample, read_forms, space_layout
+from .scores import EXTRA, PRECISE, WeightReader, find_spaces, form_layout, oversample, read_forms, space_layout
 
 MODEL = "a causal RoPE attention layer with grouped-query heads (LlamaAttention)"
 SAVE_FORMAT = "headthief-llama-attention-1"     # safetensors metadata: LlamaAttention's tensor names, float64
@@ -208,6 +208,14 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     layer = RopeAttention(Q=rot.Q, K=rot.K, V=part.V, Wo=part.Wo, bo=part.b if bias else None, bias=bias,
                           theta=rot.theta)
     insample = _insample(layer, fm.reads)
+    if insample > FIT_LIMIT and eps > PRECISE:
+        raise NotIdentifiable(
+            f"the recovered layer fits the answers paid for only to {insample:.3g} (> {FIT_LIMIT}) at this answer "
+            f"precision ({eps:.2g}), which cannot tell a wrong model from the method's own imprecision: the heads' "
+            f"attention weights are read through stage H's O_h (sum error {part.info['sum_rel_err']:.2g}), the "
+            f"forms fit to {fm.residual:.2g}, and {rot.info['planes_still']} of {layer.head_dim // 2} rotation "
+            f"planes turn too slowly over offsets 1..{int(fm.offsets[-1])} to be read (theta read as {rot.theta:.6g}; "
+            f"{layer.heads} heads in {layer.kv_heads} key/value groups found)")
     spent = oracle.queries - before["queries"]
     longest = max(int(part.info["tokens_per_query"]), int(fm.info["form_tokens"]), 2,
                   int(sp.info["keys_per_space_query"] + sp.info["queries_per_space_query"] + 1))

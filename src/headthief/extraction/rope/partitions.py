@@ -224,6 +224,8 @@ def find_heads(oracle: Oracle, rng: np.random.Generator, *, precision: float, he
     # long tokens: scores ~ lam^2 apart; a one-coordinate move eta changes them by ~ lam eta. The classes are
     # read to ~ precision * (lam / eta) * sqrt(d) relative (the answers' rounding over the move)
     lam = float(lam if lam is not None else (200.0 if precision < 1e-10 else 30.0))
+    # float32: eta = 0.2 lam (0.5 read O_h twice as precisely at d = 256, but changed which token a head picks on
+    # so many rows at d = 64 that 3 of 8 seeds did not split; measured, docs/decoder.md)
     eta = 0.01 * lam if precision < 1e-10 else 0.2 * lam
     tol = 100.0 * precision * (lam / eta) * np.sqrt(d)
     all_rows, rejected, queries, last = [], [], 0, None

@@ -26,6 +26,8 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable
 from ...models.rope import apply_rotary
 
+STILL = 3       # a pencil eigenvalue that turns less than this x the pencil's own imprecision: a still plane
+
 
 @dataclass(frozen=True)
 class Rotation:
@@ -53,7 +55,7 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
     for f in range(half):
         E[f, f], E[f + half, f] = 1 / np.sqrt(2), -1j / np.sqrt(2)          # eigenvalue exp(i phi) of R(phi)
         E[f, f + half], E[f + half, f + half] = 1 / np.sqrt(2), 1j / np.sqrt(2)
-    Bs, freqs_g, phase_rms, unit_dev = [], [], 0.0, 0.0
+    Bs, freqs_g, phase_rms, unit_dev, still_planes = [], [], 0.0, 0.0, 0
     for g in range(G):
         members = np.flatnonzero(group == g)
         P = np.stack([np.mean([np.linalg.solve(T[h, 0], T[h, k]) for h in members], axis=0)
@@ -63,19 +65,25 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         V = np.linalg.eig(combo)[1]
         lam = np.einsum("ij,Djk,ki->Di", np.linalg.inv(V), P, V)               # (nD - 1, dh): P's eigenvalues
         unit_dev = max(unit_dev, float(np.max(np.abs(np.abs(lam) - 1))))
-        ph0 = np.angle(lam[0])                                                 # -(theta) for the e^- vectors
-        neg = np.flatnonzero(ph0 < 0)
-        if len(neg) != half:
+        ph = np.angle(lam)                                                     # -(D - 1) theta_f for e^-
+        noise = max(float(np.max(np.abs(np.abs(lam) - 1))), 1e-15)          # the pencil's own imprecision
+        # the sign of each eigenvalue's turn: at the first step, or for a slow plane over the largest step (it
+        # does not wrap there); a plane that turns less than the noise over every step read is still: its
+        # frequency is below what these answers resolve, and it is given the fitted base's
+        ref = np.where(np.abs(ph[0]) > STILL * noise, ph[0], ph[-1])
+        still = np.abs(ref) <= STILL * noise
+        neg = np.flatnonzero((ref < 0) & ~still)
+        if len(neg) == 0 or 2 * len(neg) + int(still.sum()) != dh:
             raise ModelMismatch(
                 f"the score forms of key/value group {g} do not turn with the offset (pencil eigenvalues "
                 f"{np.round(lam[0], 6).tolist()}): not a rotary layer (no rotation: --method vector; or a position "
-                "bias of another form)", check="rotation", figure=float(np.max(np.abs(ph0))), threshold=0.0)
+                "bias of another form)", check="rotation", figure=float(np.max(np.abs(ph[0]))), threshold=0.0)
         th = []
         for j in neg:
-            est = -ph0[j] / steps[0]
-            phases = [-ph0[j]]
+            est = -ph[0, j] / steps[0]
+            phases = [-ph[0, j]]
             for k in range(1, nD - 1):
-                raw = -np.angle(lam[k, j])
+                raw = -ph[k, j]
                 phases.append(raw + 2 * np.pi * np.round((steps[k] * est - raw) / (2 * np.pi)))
                 xs = steps[:len(phases)]
                 est = float(np.dot(xs, phases) / np.dot(xs, xs))
@@ -87,25 +95,41 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         if np.min(th) <= 0:
             raise ModelMismatch(f"a frequency plane of group {g} does not turn (theta_f {th.min():.3g})",
                                 check="rotation", figure=float(th.min()), threshold=0.0)
+        r = len(neg)
         Vsel = V[:, neg[order]]
-        Vfull = np.concatenate([Vsel, Vsel.conj()], axis=1)
-        B = E @ np.linalg.inv(Vfull)
+        Winv = np.linalg.inv(np.concatenate([Vsel, Vsel.conj(), V[:, still]], axis=1))
+        W = np.zeros((dh, dh), complex)
+        W[:r], W[half:half + r] = Winv[:r], Winv[r:2 * r]
+        if r < half:
+            # the still planes: any real basis of their (left) invariant subspace, two rows per plane
+            Z = Winv[2 * r:]
+            Zr = np.linalg.svd(np.vstack([Z.real, Z.imag]))[2][:dh - 2 * r]
+            z1, z2 = Zr[0::2], Zr[1::2]
+            W[r:half], W[half + r:] = (z1 + 1j * z2) / np.sqrt(2), (z1 - 1j * z2) / np.sqrt(2)
+        B = E @ W
+        still_planes = max(still_planes, half - r)
         if float(np.max(np.abs(B.imag))) > 1e3 * tol * float(np.max(np.abs(B.real))):
             raise ModelMismatch(f"group {g}: the rotation's eigenvectors do not pair into real planes",
                                 check="rotation")
         Bs.append(B.real)
-        freqs_g.append(th[order])
-    freqs = np.mean(freqs_g, axis=0)                                           # (half,): the groups' average
+        freqs_g.append(np.concatenate([th[order], np.full(half - r, np.nan)]))
+    read = ~np.isnan(np.asarray(freqs_g)).any(axis=0)                         # planes every group resolved
+    freqs = np.mean(np.where(read, np.asarray(freqs_g), 0.0), axis=0)         # (half,): the groups' average
     # base: theta_f = base^(-2f/dh); weights by each plane's sensitivity to the base
     f = np.arange(half)
+    use = read & (f >= 1)
+    if half >= 2 and not use.any():
+        raise NotIdentifiable(f"only the fastest rotation plane turns measurably over offsets 1..{Dmax} at this "
+                              "answer precision: the base cannot be read (longer queries: --max-len)")
     if half >= 2:
-        logb = -(dh / (2.0 * f[1:])) * np.log(freqs[1:])
-        w = (2.0 * f[1:] / dh * freqs[1:]) ** 2
+        logb = -(dh / (2.0 * f[use])) * np.log(freqs[use])
+        w = (2.0 * f[use] / dh * freqs[use]) ** 2
         base = float(np.exp(np.sum(w * logb) / np.sum(w)))
     else:
         base = 10000.0
     model = base ** (-2.0 * f / dh)
-    dev = float(np.max(np.abs(freqs - model)) * Dmax)          # the misfit as a phase at the largest offset
+    dev = float(np.max(np.abs(freqs - model)[read]) * Dmax)    # the misfit as a phase at the largest offset
+    freqs = np.where(read, freqs, model)                       # the still planes: the base's frequencies
     lim = max(30 * phase_rms, 1e3 * tol) + 1e3 * tol
     if dev > lim:
         raise ModelMismatch(
@@ -125,7 +149,7 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         fit = max(fit, float(np.linalg.norm(At @ lhs - rhs) / np.linalg.norm(rhs)))
         Q[h] = At.T @ Ua[h].T
     info = {"theta": base, "freqs_read": freqs.tolist(), "freq_misfit": dev, "phase_rms": phase_rms,
-            "pencil_unit_dev": unit_dev, "form_rotation_fit": fit}
+            "pencil_unit_dev": unit_dev, "form_rotation_fit": fit, "planes_still": still_planes}
     return Rotation(Q=Q, K=K, theta=base, freqs=freqs, info=info)
 
 

@@ -30,14 +30,28 @@ from ...oracles.base import Oracle
 from .partitions import Heads, _subspace_gap
 
 EXTRA = 16           # queries beyond the unknowns of each least-squares fit
-GAP_LIMIT = 0.01    # a (d_h + 1)-th direction this strong (of the d_h-th): not a d_h-dimensional space
+GAP_LIMIT = 0.01    # a (d_h + 1)-th direction this strong (of the d_h-th): not a d_h-dimensional space, unless
+GAP_PER_FIT = 1000  # the readings' misfit explains it: a d_h-dimensional space read through readings that fit
+                    # linear functions to `fit` (relative) shows a (d_h + 1)-th direction of ~150-300 x fit (measured:
+                    # float64, float32 with exact and with stage H's O_h, the old reader), so up to this x fit
+GAP_CAP = 0.2       # and never above this: no d_h-dimensional space
 PRECISE = 1e-10     # answers this precise (float64) read the weights to ~1e-12: a misfit is the model's
+FORM_ROWS = 4       # readings per unknown of a form T_h(D) (d_h^2 unknowns), at most
+READ_CHUNK = 2**22  # numbers of O_h x_i held at once by the weight reader (32 MiB)
 FIT_LIMIT = 0.01    # readings that fit linear functions of the varied token worse than this (relative) are not
                     # bilinear forms: not the model
 
 
 class WeightReader:
-    """Reads every head's attention weights at every row of sequences that start with the zero token."""
+    """Reads every head's attention weights at every row of sequences that start with the zero token.
+
+    At row t the answer is ``y_t - b = sum_h sum_{i visible} a_{h,t,i} O_h x_i``: linear in the H |vis| weights
+    of the visible (non-zero) tokens, with the vectors ``O_h x_i`` known. One least-squares solve per row
+    reads them all, to the answers' precision times the conditioning of those vectors (random vectors in R^d,
+    well conditioned while ``H |vis|`` is well below d). (Going through each head's output coordinates
+    first, a change of basis onto all of R^d when ``H d_h = d``, costs its condition, ~d: 249 at d = 256,
+    too much for float32 answers.) Each weight comes with its standard deviation relative to the answers'
+    noise (the diagonal of ``(A^T A)^{-1}``), which weights the logarithms' fits."""
 
     def __init__(self, heads: Heads):
         O = heads.O
@@ -46,48 +60,63 @@ class WeightReader:
         if H * dh > d:
             raise NotIdentifiable(f"{H} heads of dimension {dh} have output spaces of {H * dh} > d = {d} "
                                   "dimensions: their parts of an answer cannot be told apart")
-        self.U = [np.linalg.svd(o)[0][:, :dh] for o in O]            # col(O_h), orthonormal (d, dh)
-        self.Ubig_pinv = np.linalg.pinv(np.concatenate(self.U, axis=1))      # (H dh, d)
-        self.F = np.stack([u.T @ o for u, o in zip(self.U, O)])     # (H, dh, d): U_h^T O_h
+        self.O = np.asarray(O, dtype=np.float64)
         self.b = heads.b
         self.H, self.dh = H, dh
 
-    def weights(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
-        """``a[k, h, t, i]`` for sequences X (n, N, d) and their answers Y (n, N, d). Token 0 and any other
-        token that is zero in every sequence are zero tokens: each has score 0, so they share the weight the
-        visible tokens leave. Rows with more than d_h - 1 visible tokens are left NaN (an overdetermined solve
-        needs fewer weights than the d_h numbers of a head's part)."""
+    def weights(self, X: np.ndarray, Y: np.ndarray, rows=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, s)``: ``a[k, h, t, i]`` for sequences X (n, N, d) and their answers Y (n, N, d), and ``s`` the
+        standard deviation of each (per unit noise on the answers). Token 0 and any other token that is zero
+        in every sequence are zero tokens: each has score 0, so they share the weight the visible tokens
+        leave. Rows with more than d_h - 1 visible tokens are left NaN (fewer unknowns than the answer's d
+        numbers, with room to spare), and so are the rows not in ``rows`` (default: every row)."""
         n, N, d = X.shape
-        H, dh = self.H, self.dh
         zero = ~np.any(X != 0, axis=(0, 2))
         if not zero[0]:
             raise ValueError("the weights are read against a zero token at position 0")
-        C = np.einsum("cd,ktd->ktc", self.Ubig_pinv, Y - self.b).reshape(n, N, H, dh)
-        a = np.full((n, H, N, N), np.nan)
-        for t in range(N):
+        a = np.full((n, self.H, N, N), np.nan)
+        s = np.full((n, self.H, N, N), np.nan)
+        step = max(1, READ_CHUNK // (N * self.H * d))            # sequences per chunk: O_h x_i is the big temporary
+        for k in range(0, n, step):
+            self._read(X[k:k + step], Y[k:k + step], zero, rows, a[k:k + step], s[k:k + step])
+        return a, s
+
+    def _read(self, X, Y, zero, rows, a, s) -> None:
+        n, N, d = X.shape
+        H, dh = self.H, self.dh
+        OX = np.einsum("hed,ktd->kthe", self.O, X, optimize=True)  # (n, N, H, d): O_h x_i
+        R = Y - self.b
+        for t in (range(N) if rows is None else rows):
             vis = np.flatnonzero(~zero[:t + 1])
             zs = np.flatnonzero(zero[:t + 1])
             if len(vis) > dh - 1:
                 continue
             w = np.zeros((n, H, 0))
+            var0 = np.zeros((n, H))
             if len(vis):
-                A = np.einsum("hed,kid->khei", self.F, X[:, vis])            # (n, H, dh, |vis|)
-                q, r = np.linalg.qr(A)
-                w = np.linalg.solve(r, np.einsum("khev,khe->khv", q, C[:, t])[..., None])[..., 0]
+                A = OX[:, vis].transpose(0, 3, 2, 1).reshape(n, d, H * len(vis))      # columns (h, i)
+                q, r = np.linalg.qr(A)                  # QR, not the normal equations: the condition, not its square
+                w = np.linalg.solve(r, np.einsum("kdu,kd->ku", q, R[:, t])[..., None])[..., 0].reshape(n, H, len(vis))
                 a[:, :, t, vis] = w
+                rinv = np.linalg.inv(r)
+                C = (rinv @ rinv.transpose(0, 2, 1)).reshape(n, H, len(vis), H, len(vis))     # (A^T A)^{-1}
+                s[:, :, t, vis] = np.sqrt(np.maximum(np.einsum("khihi->khi", C), 0.0))
+                var0 = np.maximum(np.einsum("khihj->kh", C), 0.0)     # var(sum_i a_i) = 1^T C_h 1
             a[:, :, t, zs] = ((1.0 - w.sum(-1)) / len(zs))[..., None]
-        return a
+            s[:, :, t, zs] = (np.sqrt(var0) / len(zs))[..., None]
 
 
-def log_ratios(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``log(a_i / a_0)`` and each reading's weight for least squares, ``1 / sqrt(1/a_i^2 + 1/a_0^2)`` (a
-    weight is read to an absolute precision, so a small one gives an imprecise logarithm); a weight that is
-    not positive (a masked or windowed key) gives NaN."""
+def log_ratios(a: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``log(a_i / a_0)`` and each reading's weight for least squares, the inverse of its standard deviation
+    ``sqrt((s_i/a_i)^2 + (s_0/a_0)^2)`` (a weight is read to an absolute precision s, so a small one gives an
+    imprecise logarithm); a weight that is not positive (a masked or windowed key) gives NaN."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        a0 = a[..., :1]
-        ok = (a > 0) & (a0 > 0)
+        a0, s0 = a[..., :1], s[..., :1]
+        ok = (a > 0) & (a0 > 0) & np.isfinite(s) & np.isfinite(s0)
         L = np.where(ok, np.log(np.where(ok, a, 1.0)) - np.log(np.where(a0 > 0, a0, 1.0)), np.nan)
-        w = np.where(ok, 1.0 / np.sqrt(1.0 / np.where(ok, a, 1.0) ** 2 + 1.0 / np.where(a0 > 0, a0, 1.0) ** 2), 0.0)
+        rel = np.where(ok, (np.where(ok, s, 0.0) / np.where(ok, a, 1.0)) ** 2
+                       + (np.where(ok, s0, 0.0) / np.where(a0 > 0, a0, 1.0)) ** 2, np.inf)
+        w = np.where(ok, 1.0 / np.sqrt(np.maximum(rel, 1e-300)), 0.0)
     return L, w
 
 
@@ -113,12 +142,13 @@ def _wrms(y: np.ndarray, w: np.ndarray) -> float:
     return max(float(np.sqrt(np.mean((y[ok] * w[ok]) ** 2))) if ok.any() else 0.0, 1e-300)
 
 
-def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress):
-    """The answers to X, and every head's logits against the zero token with their weights: (L, W, Y)."""
+def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress, rows=None):
+    """The answers to X, and every head's logits against the zero token with their weights at ``rows``
+    (default: all): (L, W, Y)."""
     Y = np.asarray(oracle.query(X), dtype=np.float64)
     if progress is not None:
         progress(X.shape[0])
-    return (*log_ratios(reader.weights(X, Y)), Y)
+    return (*log_ratios(*reader.weights(X, Y, rows)), Y)
 
 
 def _basis(vectors: np.ndarray, dh: int, what: str, fit: float, precision: float) -> tuple[np.ndarray, float]:
@@ -130,18 +160,22 @@ def _basis(vectors: np.ndarray, dh: int, what: str, fit: float, precision: float
     gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
     if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
         raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")
-    if gap > GAP_LIMIT:
+    if gap > gap_limit(fit):
         if fit > FIT_LIMIT:
             raise NotIdentifiable(
                 f"the {what} readings are too imprecise at this answer precision ({precision:.2g}: the heads' "
-                f"attention weights are read from one answer through a change of basis of condition ~d, so "
-                f"log(a_i / a_0) fits linear functions of the varied token only to {fit:.2g} relative, and the "
-                f"space's {dh + 1}-th direction is {gap:.3g} of its {dh}-th): a wrong score form cannot be told "
-                "from imprecision here")
+                f"attention weights are read through stage H's O_h, and log(a_i / a_0) fits linear functions of the "
+                f"varied token only to {fit:.2g} relative, and the space's {dh + 1}-th direction is {gap:.3g} of its "
+                f"{dh}-th): a wrong score form cannot be told from imprecision here")
         raise NotIdentifiable(f"the {what} readings are too imprecise to fix a {dh}-dimensional space (singular "
-                              f"value {dh + 1} is {gap:.3g} of the {dh}-th; the readings fit linear functions to "
-                              f"{fit:.2g} relative)")
+                              f"value {dh + 1} is {gap:.3g} of the {dh}-th, more than the readings' misfit "
+                              f"{fit:.2g} explains: {gap_limit(fit):.3g})")
     return Vt[:dh].T, gap
+
+
+def gap_limit(fit: float) -> float:
+    """The largest (d_h + 1)-th direction (of the d_h-th) that readings of relative misfit ``fit`` explain."""
+    return float(min(GAP_CAP, max(GAP_LIMIT, GAP_PER_FIT * fit)))
 
 
 def space_layout(dh: int, max_len: int) -> tuple[int, int, int, int]:
@@ -188,7 +222,7 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
             X = np.zeros((n, rows + 1, d))
             X[:, keys] = rng.standard_normal((m, d))[None] if vary_queries else rng.standard_normal((n, m, d))
             X[:, qs] = rng.standard_normal((n, p, d)) if vary_queries else rng.standard_normal((p, d))[None]
-            L, W, _ = _ask(oracle, X, reader, progress)               # (n, H, N, N)
+            L, W, _ = _ask(oracle, X, reader, progress, qs)           # (n, H, N, N)
             for h in range(H):
                 for t in qs:
                     for i in keys:
@@ -219,11 +253,12 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
     same = np.array([[_subspace_gap(kb[i].T, kb[j].T) for j in range(H)] for i in range(H)])
     within = max([same[i, j] for i in range(H) for j in range(H) if heads.group[i] == heads.group[j]] + [0.0])
     across = min([same[i, j] for i in range(H) for j in range(H) if heads.group[i] != heads.group[j]] + [1.0])
-    if within > GAP_LIMIT or across < 10 * GAP_LIMIT:
+    lim = gap_limit(fit_k)
+    if within > lim or across < max(10 * GAP_LIMIT, 3 * lim):
         raise ModelMismatch(f"the heads' key spaces do not fall into the value groups of stage H (largest angle "
-                            f"sine within a group {within:.3g}, smallest across {across:.3g}): keys and values are "
-                            "not shared by the same groups of heads", check="key/value groups", figure=within,
-                            threshold=GAP_LIMIT)
+                            f"sine within a group {within:.3g}, smallest across {across:.3g}; the readings' misfit "
+                            f"{fit_k:.2g} explains up to {lim:.3g}): keys and values are not shared by the same "
+                            "groups of heads", check="key/value groups", figure=within, threshold=lim)
     Ub = []
     for g in range(G):
         members = np.flatnonzero(heads.group == g)
@@ -245,33 +280,64 @@ class Forms:
 
 
 def _fit_forms(X, L, W, Ua, Ub, group) -> tuple[dict, float, int]:
-    """Per head and offset D, T_h(D) by weighted least squares over every reading (t, t - D) of every design."""
+    """Per head and offset D, T_h(D) by weighted least squares over the readings (t, t - D) of every design,
+    at most ``FORM_ROWS`` x d_h^2 of them (the small offsets have many more than the largest, which sets the
+    number of queries). One (h, D) at a time, from the normal equations of its features (the outer products of
+    the two tokens' space coordinates: well conditioned), so memory stays ~d_h^4 whatever the number of
+    readings; the residual from a second pass over the same readings (not by cancellation)."""
     H = len(Ua)
     dh = Ua[0].shape[1]
-    feats_by = {}
-    for Xs, Ls, Ws in zip(X, L, W):
+    cap = FORM_ROWS * dh * dh + EXTRA
+    coords = []                # per design: (qa (H, n, N, dh), kb (G, n, N, dh), pairs by offset)
+    for Xs in X:
         n, N, _ = Xs.shape
         live = np.any(Xs != 0, axis=(0, 2))                          # the tokens that are not zero tokens
-        pairs = [(t, i) for t in range(N) for i in range(1, t) if live[t] and live[i]]
-        for h in range(H):
-            qa = np.einsum("ktd,de->kte", Xs, Ua[h])
-            kb = np.einsum("ktd,de->kte", Xs, Ub[group[h]])
-            for t, i in pairs:
-                f = np.einsum("ka,kb->kab", qa[:, t], kb[:, i]).reshape(n, -1)
-                feats_by.setdefault((h, t - i), []).append((f, Ls[:, h, t, i], Ws[:, h, t, i]))
+        by_D = {}
+        for t in range(N):
+            for i in range(1, t):
+                if live[t] and live[i]:
+                    by_D.setdefault(t - i, []).append((t, i))
+        coords.append((np.einsum("ktd,hde->hkte", Xs, np.stack(Ua)),
+                       np.einsum("ktd,gde->gkte", Xs, np.stack(Ub)), by_D))
+    offsets = sorted({D for _, _, by_D in coords for D in by_D})
+
+    def readings(h, D):
+        """The readings of (h, D), in chunks: (features, logits, weights), at most cap rows in all."""
+        left = cap
+        for (qa, kb, by_D), Ls, Ws in zip(coords, L, W):
+            for t, i in by_D.get(D, []):
+                if left <= 0:
+                    return
+                y, w = Ls[:, h, t, i], Ws[:, h, t, i]
+                ok = np.flatnonzero(np.isfinite(y) & (w > 0))[:left]
+                left -= len(ok)
+                f = np.einsum("ka,kb->kab", qa[h, ok, t], kb[group[h], ok, i]).reshape(len(ok), -1)
+                yield f * w[ok, None], y[ok] * w[ok]
+
     T, num, den, bad = {}, 0.0, 0.0, 0
-    for (h, D), parts in feats_by.items():
-        F = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts])
-        w = np.concatenate([p[2] for p in parts])
-        if np.sum(np.isfinite(y) & (w > 0)) < dh * dh + EXTRA:
-            continue
-        bad += int(np.sum(~np.isfinite(y)))
-        sol, r = wlstsq(F, y, w)
-        T[(h, D)] = sol.reshape(dh, dh)
-        ok = np.isfinite(y)
-        num += r * r
-        den += float(np.mean((y[ok] * w[ok]) ** 2))
+    for h in range(H):
+        for D in offsets:
+            A = np.zeros((dh * dh, dh * dh))
+            rhs = np.zeros(dh * dh)
+            rows = 0
+            for f, y in readings(h, D):
+                A += f.T @ f
+                rhs += f.T @ y
+                rows += len(y)
+            if rows < dh * dh + EXTRA:
+                continue
+            sol = np.linalg.solve(A, rhs)
+            T[(h, D)] = sol.reshape(dh, dh)
+            r2 = y2 = 0.0
+            for f, y in readings(h, D):
+                r2 += float(np.sum((f @ sol - y) ** 2))
+                y2 += float(np.sum(y ** 2))
+            num += r2 / rows
+            den += y2 / rows
+    for (_, _, by_D), Ls in zip(coords, L):            # readings that are not positive weights (masked keys)
+        for pairs in by_D.values():
+            t, i = np.asarray(pairs).T
+            bad += int(np.sum(~np.isfinite(Ls[:, :, t, i])))
     return T, float(np.sqrt(num / max(den, 1e-300))), bad
 
 
