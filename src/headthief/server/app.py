@@ -125,10 +125,11 @@ def check_defence(target, defence: Defence, whose: str = "the server's") -> None
 
 
 class _Oversized(Exception):
-    """A body without a Content-Length grew past ``max_body_bytes``: what was read of it (``head``)."""
+    """A body without a Content-Length grew past ``max_body_bytes``: what was read of it (``head``, buffers in
+    order, not copied)."""
 
-    def __init__(self, head: bytes):
-        super().__init__(len(head))
+    def __init__(self, *head):
+        super().__init__(sum(len(b) for b in head))
         self.head = head
 
 
@@ -633,7 +634,7 @@ def create_app(service: Service):
             length = h.get("content-length")
             length = int(length) if length is not None and length.isdigit() else None
             if length is not None and length > limit:      # never held: it costs no memory
-                await oversized(h, chunks, b"", length)
+                await oversized(h, chunks, (), length)
             try:
                 if length is not None and length <= LARGE_BODY:
                     body = await read_body(chunks, length, limit)
@@ -646,7 +647,7 @@ def create_app(service: Service):
         except Problem as p:
             return problem_response(p)
 
-    async def oversized(h, chunks, head: bytes, length: int | None) -> None:
+    async def oversized(h, chunks, head: tuple, length: int | None) -> None:
         """A body above ``max_body_bytes``: always a Problem. A binary one is refused unread (413). A JSON
         one that goes beyond the published batch limits is told so (422), as a parsed batch would be:
         Schemathesis builds such batches from the schema's ``maxItems``, and with long decimals (or
@@ -659,12 +660,12 @@ def create_app(service: Service):
         rec = await asyncio.get_running_loop().run_in_executor(
             service.workers(), service.authenticate, h.get("authorization"))        # 401 before reading on
         defence = service.defence_for(rec)
-        scan, seen = BatchScan(defence.max_batch, defence.max_len), 0
-        excess = scan.feed(head)
+        scan, seen = BatchScan(defence.max_batch, defence.max_len), sum(len(b) for b in head)
+        excess = next((e for e in map(scan.feed, head) if e is not None), None)
         if excess is None:
             async for chunk in chunks:
                 seen += len(chunk)
-                if seen + len(head) > SCAN_FACTOR * limit:
+                if seen > SCAN_FACTOR * limit:
                     break
                 excess = scan.feed(chunk)
                 if excess is not None:
@@ -693,7 +694,7 @@ def create_app(service: Service):
         async for chunk in chunks:
             end = size + len(chunk)
             if end > limit:
-                raise _Oversized(bytes(body[:size]) + bytes(chunk))
+                raise _Oversized(memoryview(body)[:size], chunk)
             if end <= len(body):
                 body[size:end] = chunk          # same length: copied in place
             else:

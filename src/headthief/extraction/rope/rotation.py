@@ -64,9 +64,10 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         combo = np.tensordot(rng.standard_normal(nD - 1), P, axes=1)
         V = np.linalg.eig(combo)[1]
         lam = np.einsum("ij,Djk,ki->Di", np.linalg.inv(V), P, V)               # (nD - 1, dh): P's eigenvalues
-        unit_dev = max(unit_dev, float(np.max(np.abs(np.abs(lam) - 1))))
+        dev_g = float(np.max(np.abs(np.abs(lam) - 1)))                        # the pencil's own imprecision
+        unit_dev = max(unit_dev, dev_g)
+        noise = max(dev_g, 1e-15)
         ph = np.angle(lam)                                                     # -(D - 1) theta_f for e^-
-        noise = max(float(np.max(np.abs(np.abs(lam) - 1))), 1e-15)          # the pencil's own imprecision
         # the sign of each eigenvalue's turn: at the first step, or for a slow plane over the largest step (it
         # does not wrap there); a plane that turns less than the noise over every step read is still: its
         # frequency is below what these answers resolve, and it is given the fitted base's
@@ -113,8 +114,9 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
                                 check="rotation")
         Bs.append(B.real)
         freqs_g.append(np.concatenate([th[order], np.full(half - r, np.nan)]))
-    read = ~np.isnan(np.asarray(freqs_g)).any(axis=0)                         # planes every group resolved
-    freqs = np.mean(np.where(read, np.asarray(freqs_g), 0.0), axis=0)         # (half,): the groups' average
+    freqs_g = np.asarray(freqs_g)
+    read = ~np.isnan(freqs_g).any(axis=0)                                     # planes every group resolved
+    freqs = np.mean(np.where(read, freqs_g, 0.0), axis=0)                     # (half,): the groups' average
     # base: theta_f = base^(-2f/dh); weights by each plane's sensitivity to the base
     f = np.arange(half)
     use = read & (f >= 1)
