@@ -240,3 +240,64 @@ def test_planes_that_turn_below_the_noise_are_still_not_a_mismatch():
     assert rot.info["planes_still"] == 2
     bound = 10 * 4 * rot.info["pencil_unit_dev"] / (13 * freqs[1])
     assert abs(rot.theta / base - 1) <= bound, (rot.theta, bound)
+
+
+def test_stage_o_refines_every_heads_output_map_from_float32_answers():
+    """Stage O (float32 answers): stage H's O_h come out at ~3e-6 at d = 64 (the answers' rounding over its
+    moves); alternating between the weights read through them and a least-squares refit of every O_h, with each
+    head's scale fixed by the one-token map, brings them to a few float32 epsilons (measured 2.8e-7 to 3.7e-7 on
+    seeds 1..3: within 20 eps32, and 4x better than stage H at least), for exactly d + 16 + 512 queries."""
+    from headthief.extraction.precision import answer_kind
+    from headthief.extraction.rope.outputs import SEQUENCES, refine_outputs
+    from headthief.extraction.rope.partitions import find_heads
+    from headthief.extraction.rope.scores import EXTRA
+    L = random_rope_layer(64, 8, 2, seed=41)
+    o = ModelOracle(L.astype(np.float32))
+    rng = np.random.default_rng(0)
+    probe = np.asarray(o.query(rng.standard_normal((2, 2, 64))), dtype=np.float64)
+    kind = answer_kind(o, probe)
+    eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(probe ** 2))))
+    part = find_heads(o, rng, precision=eps, max_len=16)
+    dh = L.head_dim
+    Ot = [L.Wo[:, h * dh:(h + 1) * dh] @ L.V[h // L.group_size] for h in range(L.heads)]
+
+    def err(O):
+        return max(min(np.linalg.norm(O[h] - t) / np.linalg.norm(t) for t in Ot) for h in range(len(O)))
+
+    before = o.queries
+    new = refine_outputs(o, part, rng, max_len=16)
+    assert o.queries - before == 64 + EXTRA + SEQUENCES == new.info["output_queries"]
+    eps32 = float(np.finfo(np.float32).eps)
+    assert err(new.O) <= min(20 * eps32, err(part.O) / 4), (err(part.O), err(new.O))
+    assert np.array_equal(new.group, part.group) and new.info["outputs_refined"]
+    for h in range(L.heads):                     # still O_h = Wo_h V_g with V_g orthonormal and shared
+        g = new.group[h]
+        assert np.allclose(new.V[g] @ new.V[g].T, np.eye(dh), atol=1e-12)
+        assert np.allclose(new.Wo[:, h * dh:(h + 1) * dh] @ new.V[g], new.O[h], atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_slow_planes_are_read_to_the_pencils_noise_over_their_gap(seed):
+    """d_h = 32, base 10000 (the llama line's planes: the slowest turns 1.8e-4 rad per step), forms at offsets
+    1..14 with noise 1e-7: every key plane (up to its own scaled rotation) comes out within 2x the pencil's
+    measured imprecision over the smallest gap between the slowest planes' turns at the largest step, the
+    eigenvector perturbation bound (measured 0.35-0.5x of it). The pencils' random normal combination left the
+    slowest planes mixed at 5-38x of it (0.05 to 1.1)."""
+    from headthief.extraction.rope import _planes
+    from headthief.extraction.rope.rotation import rotation_parts
+    dh, base = 32, 1e4
+    rng = np.random.default_rng(seed)
+    freqs = base ** (-2.0 * np.arange(dh // 2) / dh)
+    A, B = rng.standard_normal((2, dh, dh))
+    offsets = np.arange(1, 15)
+    exact = np.stack([A.T @ _rot(-D * freqs, dh) @ B / np.sqrt(dh) for D in offsets])[None]
+    noisy = exact + 1e-7 * np.abs(exact).mean() * rng.standard_normal(exact.shape)
+    rot = rotation_parts(noisy, offsets, np.zeros(1, int), [np.eye(dh)], [np.eye(dh)], tol=1e-6)
+    assert rot.info["planes_still"] == 0
+    Ke, Kt = _planes(rot.K)[0], _planes(B[None])[0]
+    worst = 0.0
+    for f in range(dh // 2):
+        z = np.vdot(Kt[f], Ke[f]) / np.vdot(Kt[f], Kt[f])
+        worst = max(worst, float(np.linalg.norm(Ke[f] / z - Kt[f]) / np.linalg.norm(Kt[f])))
+    bound = 2 * rot.info["pencil_unit_dev"] / ((offsets[-1] - offsets[0]) * (freqs[-2] - freqs[-1]))
+    assert worst <= bound, (worst, bound)

@@ -39,6 +39,7 @@ from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
+from .outputs import SEQUENCES, refine_outputs
 from .partitions import CHECKS, find_heads, round_tokens
 from .rotation import rotation_parts
 from .scores import EXTRA, PRECISE, WeightReader, find_spaces, form_layout, oversample, read_forms, space_layout
@@ -200,6 +201,8 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     if progress is not None:
         progress(2)
     part = find_heads(oracle, rng, precision=eps, heads=heads, max_len=max_len, progress=progress)
+    if eps > PRECISE:               # float32 answers: stage H's O_h (~1e-5) would limit every later stage
+        part = refine_outputs(oracle, part, rng, max_len=max_len, progress=progress)
     reader = WeightReader(part)
     sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, progress=progress)
     fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, precision=eps, progress=progress)
@@ -221,7 +224,8 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
                   int(sp.info["keys_per_space_query"] + sp.info["queries_per_space_query"] + 1))
     diag = {"heads_found": layer.heads, "kv_heads_found": layer.kv_heads, "head_dim": layer.head_dim,
             "theta": rot.theta, "freqs_read": rot.info["freqs_read"], "answer_precision": eps,
-            "queries_stage_H": part.queries, "queries_stage_S": sp.queries + fm.queries,
+            "queries_stage_H": part.queries, "queries_stage_O": int(part.info.get("output_queries", 0)),
+            "queries_stage_S": sp.queries + fm.queries,
             "longest_extraction_query": longest, "verify_len": int(verify_len), "insample_rel_err": insample,
             "form_residual": fm.residual, **{k: v for k, v in part.info.items() if k != "head_dim"},
             **sp.info, **fm.info, **{k: v for k, v in rot.info.items() if k not in ("theta", "freqs_read")},
@@ -259,7 +263,9 @@ def expected_queries(d: int, head_dim: int | None, max_len: int = 16, float32: b
     _, k = form_layout(head_dim, max_len)
     probe, zero_token = 2, 1
     stage_h = zero_token + round_tokens(max_len) * d + 1 + CHECKS
-    return probe + stage_h + batches * 2 * (over * d + EXTRA) + (2 if k else 1) * (2 * over * head_dim ** 2 + EXTRA)
+    stage_o = d + EXTRA + SEQUENCES if float32 else 0
+    return probe + stage_h + stage_o + batches * 2 * (over * d + EXTRA) + (2 if k else 1) * (
+        2 * over * head_dim ** 2 + EXTRA)
 
 
 __all__ = ["RopeExtraction", "expected_queries", "extract_rope", "rope_errors"]
