@@ -12,6 +12,11 @@ S. the attention weights of every head read from the answers with a zero token a
 R. theta from the eigenvalues of the pencil ``T(1)^{-1} T(D)``, then ``K_g`` and every ``Q_h``
    (:mod:`.rotation`).
 
+With imprecise (float32) answers two more: O. after H, every ``O_h`` refined by alternating least squares over
+random sequences (:mod:`.outputs`); Q. after R, every ``W_q^h`` and ``W_k^g`` refitted in all of R^d to stage S's
+logit readings with theta fixed (:mod:`.refine`): each removes the error that the stage before it leaves to the
+next (measured in docs/decoder.md).
+
 Recovered up to the symmetries that commute with the rotation: per key/value group and frequency plane, a
 rotation and a scale of the plane's two key coordinates (``K_g``'s rows f and f + d_h/2), undone on the same rows
 of every ``Q_h`` of the group (its inverse transpose); ``V_g`` and ``Wo_h`` only as the products
@@ -41,6 +46,7 @@ from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .outputs import SEQUENCES, refine_outputs
 from .partitions import CHECKS, find_heads, round_tokens
+from .refine import refine_scores
 from .rotation import rotation_parts
 from .scores import EXTRA, PRECISE, WeightReader, find_spaces, form_layout, oversample, read_forms, space_layout
 
@@ -207,8 +213,12 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, progress=progress)
     fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, precision=eps, progress=progress)
     rot = rotation_parts(fm.T, fm.offsets, part.group, sp.Ua, sp.Ub, tol=part.info["linearity_tol"])
+    Q, K, refit = rot.Q, rot.K, {}
+    if eps > PRECISE:               # float32 answers: the spaces (~5e-5) limit the forms; refit in all of R^d
+        Q, K, refit = refine_scores(rot.Q, rot.K, rot.theta, part.group, fm.logits, rng=rng)
+    fm = dataclasses.replace(fm, logits=())
     bias = bool(np.any(np.abs(part.b) > 0))
-    layer = RopeAttention(Q=rot.Q, K=rot.K, V=part.V, Wo=part.Wo, bo=part.b if bias else None, bias=bias,
+    layer = RopeAttention(Q=Q, K=K, V=part.V, Wo=part.Wo, bo=part.b if bias else None, bias=bias,
                           theta=rot.theta)
     insample = _insample(layer, fm.reads)
     if insample > FIT_LIMIT and eps > PRECISE:
@@ -228,7 +238,7 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
             "queries_stage_S": sp.queries + fm.queries,
             "longest_extraction_query": longest, "verify_len": int(verify_len), "insample_rel_err": insample,
             "form_residual": fm.residual, **{k: v for k, v in part.info.items() if k != "head_dim"},
-            **sp.info, **fm.info, **{k: v for k, v in rot.info.items() if k not in ("theta", "freqs_read")},
+            **sp.info, **fm.info, **refit, **{k: v for k, v in rot.info.items() if k not in ("theta", "freqs_read")},
             "numbers_received": int(oracle.numbers), **cost(oracle, before)}
     res = RopeExtraction(layer=layer, group=part.group, queries=spent, seconds=time.perf_counter() - t0,
                          diagnostics=diag)

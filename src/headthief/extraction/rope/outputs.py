@@ -24,6 +24,7 @@ import dataclasses
 
 import numpy as np
 
+from ...errors import NotIdentifiable
 from ...oracles.base import Oracle
 from .partitions import Heads
 from .scores import EXTRA, WeightReader
@@ -32,6 +33,7 @@ SEQUENCES = 512      # random sequences the refinement reads
 SWEEPS = 20          # alternating sweeps, at most
 STALL = 0.9          # a sweep that keeps more than this of the previous sweep's change ends the refinement,
 SETTLED = 0.1        # and so does one that changes the O_h by less than this x the fit's own rms residual
+FIT_LIMIT = 1e-2     # heads whose refit leaves more than this (relative rms) do not explain the answers
 MAX_FEATURES = 4096  # H d above this: the normal equations (H d)^2 are not built; stage H's O_h are kept
 
 
@@ -90,6 +92,11 @@ def refine_outputs(oracle: Oracle, heads: Heads, rng: np.random.Generator, *, ma
             break
         change = step
     sum_err = float(np.linalg.norm(O.sum(0) - M) / np.linalg.norm(M))
+    if fits[-1] > FIT_LIMIT:
+        raise NotIdentifiable(
+            f"the {H} heads in {int(heads.group.max()) + 1} key/value groups that stage H found do not explain the "
+            f"answers to random sequences (relative rms misfit {fits[-1]:.3g} after {sweeps} sweeps, > {FIT_LIMIT}): "
+            "stage H's split of the heads is not the layer's (try --heads H with the true number)")
     info = {**heads.info, "outputs_refined": True, "output_sweeps": sweeps, "output_fit_rms": fits[-1],
             "output_last_change": change, "output_queries": q1 + SEQUENCES, "sum_rel_err_refined": sum_err}
     return dataclasses.replace(heads, O=O, V=V, Wo=Wo, M=M, info=info)

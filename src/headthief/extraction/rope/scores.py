@@ -237,6 +237,11 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
             f"the attention logits log(a_i / a_0) are not bilinear in the query and key tokens at a fixed offset "
             f"(relative misfit {fit:.3g} > {FIT_LIMIT}): a position bias of its own in the scores (ALiBi), absolute "
             "positions, or biases on the queries or keys", check="score form", figure=fit, threshold=FIT_LIMIT)
+    if fit > FIT_LIMIT:
+        raise NotIdentifiable(
+            f"the attention logits are too imprecise at this answer precision ({precision:.2g}): they fit bilinear "
+            f"forms of the tokens only to {fit:.3g} (> {FIT_LIMIT}), and as the heads' weights are read through stage "
+            "H's O_h, a wrong score form cannot be told from a wrong split of the heads or imprecision here")
     # without a rotation the form is the same at every offset: one query's key vectors then coincide
     spread = max(float(np.max(np.abs(np.stack(kvec[h][j * m:(j + 1) * m]) - kvec[h][j * m])))
                  / max(float(np.max(np.abs(kvec[h][j * m]))), 1e-300)
@@ -276,6 +281,7 @@ class Forms:
     residual: float      # rms residual of the fits over the rms of the readings
     queries: int
     reads: tuple         # (X, Y): the random sequences and their answers, kept for the in-sample error
+    logits: tuple = ()   # per design (X, L, W): every head's logits and their weights (stage Q refits from them)
     info: dict = field(default_factory=dict)
 
 
@@ -369,7 +375,7 @@ def read_forms(oracle: Oracle, heads: Heads, spaces: Spaces, reader: WeightReade
     info = {"form_queries": q, "form_tokens": int(max(x.shape[1] for x in designs)), "offsets_read": offsets,
             "form_residual": residual, "readings_not_positive": bad}
     return Forms(T=Tarr, offsets=np.asarray(offsets), residual=residual, queries=q,
-                 reads=(designs[0], Ys[0]), info=info)
+                 reads=(designs[0], Ys[0]), logits=tuple(zip(designs, Ls, Ws)), info=info)
 
 
 __all__ = ["Forms", "Spaces", "WeightReader", "find_spaces", "form_layout", "log_ratios", "oversample", "read_forms",
