@@ -26,6 +26,8 @@ SWEEPS = 6           # alternating sweeps (Q then K), at most (20 sweeps: fideli
 CG_STEPS = 25        # conjugate-gradient iterations per solve, at most
 GAIN = 0.98          # a sweep keeping more than this of the weighted residual ends the refinement
 READINGS = 2 ** 15   # readings per head used at most (spread over every offset and design)
+MIX_STEPS = 3        # Gauss-Newton steps on each group's mixing inside its d_h coordinates, at most
+CHUNK = 2 ** 14      # readings per block of the mixing step's normal equations
 
 
 def _readings(designs, group, H, rng):
@@ -99,6 +101,39 @@ def _solve(U: np.ndarray, Xs: np.ndarray, y: np.ndarray, w2: np.ndarray, P0: np.
     return _cg(apply, rhs, P0, np.linalg.pinv(Cu), np.linalg.pinv(Cx) / max(float(w2.sum()), 1e-300))
 
 
+def _mix_step(Q: np.ndarray, K: np.ndarray, group: np.ndarray, data, freqs: np.ndarray, dh: int):
+    """One Gauss-Newton step, per group, on the mixing E inside the d_h coordinates: ``K_g -> (I + E) K_g`` and
+    every ``Q_h`` of the group ``-> (I + E)^{-T} Q_h``. To first order the logit changes by
+    ``q^T (R E - E R) k / sqrt(d_h)`` (q = Q_h x_t, k = K_g x_i, R = R(-D theta)): linear in E's d_h^2 entries,
+    solved exactly from the normal equations (minimum norm: the E that commute with every R are the symmetries).
+    This is the direction the alternation moves slowly: the slow planes' basis, which only their small turn
+    over the offsets read fixes."""
+    Q, K = Q.copy(), K.copy()
+    sq = np.sqrt(dh)
+    for g in range(K.shape[0]):
+        members = [h for h in range(Q.shape[0]) if group[h] == g]
+        A = np.zeros((dh * dh, dh * dh))
+        rhs = np.zeros(dh * dh)
+        for h in members:
+            xt, xi, Ds, y, w = data[h]
+            for o in range(0, len(y), CHUNK):
+                sl = slice(o, o + CHUNK)
+                q, k = xt[sl] @ Q[h].T, xi[sl] @ K[g].T
+                Rk = _rotated(k, Ds[sl], freqs, dh)                    # R(-D) k
+                Rtq = _rotated(q, -Ds[sl], freqs, dh)                  # R(-D)^T q = R(D) q
+                r = np.einsum("re,re->r", q, Rk) / sq - y[sl]
+                F = (np.einsum("ra,rb->rab", Rtq, k) - np.einsum("ra,rb->rab", q, Rk)).reshape(len(r), -1) / sq
+                F *= w[sl, None]
+                A += F.T @ F
+                rhs -= F.T @ (w[sl] * r)
+        E = np.linalg.lstsq(A, rhs, rcond=1e-12)[0].reshape(dh, dh)
+        M = np.eye(dh) + E
+        K[g] = M @ K[g]
+        for h in members:
+            Q[h] = np.linalg.solve(M.T, Q[h])
+    return Q, K
+
+
 def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray, designs, *,
                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, dict]:
     """Stage Q (see the module). ``designs``: per form design (X, L, W) with L, W (n, H, N, N) the logits and
@@ -139,8 +174,19 @@ def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray,
         sweeps += 1
         if gain > GAIN:
             break
+    mixes = 0
+    for _ in range(MIX_STEPS):
+        Qn, Kn = _mix_step(Q, K, group, data, freqs, dh)
+        new = cost(Qn, Kn)
+        if new >= best:
+            break
+        gain = new / best
+        Q, K, best = Qn, Kn, new
+        mixes += 1
+        if gain > GAIN:
+            break
     n = sum(len(r[3]) for r in data)
-    info = {"score_refit_sweeps": sweeps, "score_refit_rms_before": float(np.sqrt(start / n)),
+    info = {"score_refit_sweeps": sweeps, "score_refit_mix_steps": mixes, "score_refit_rms_before": float(np.sqrt(start / n)),
             "score_refit_rms_after": float(np.sqrt(best / n)), "score_refit_readings": n}
     return Q, K, info
 
