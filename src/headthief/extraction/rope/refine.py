@@ -12,8 +12,10 @@ is linear in ``Q_h`` for fixed ``K_g`` and in ``K_g`` for fixed ``Q_h``: alterna
 the readings in all of R^d, so the spaces move too. Each solve is conjugate gradients on the normal equations
 (``d_h d`` unknowns; the operator is never formed), started at the current value and preconditioned by the
 Kronecker product of the two sides' second moments. At most ``SWEEPS`` sweeps of ``CG_STEPS`` iterations each;
-a sweep that lowers the weighted residual by less than ``1 - GAIN`` ends it. Never returns parts that fit the
-readings worse than the ones it was given.
+a sweep that lowers the weighted residual by less than ``1 - GAIN`` ends it. Then at most ``MIX_STEPS`` exact
+Gauss-Newton steps per group on the mixing inside the d_h coordinates (:func:`_mix_step`), the slow planes'
+basis, which the alternation hardly moves. Never returns parts that fit the readings worse than the ones it was
+given.
 """
 
 from __future__ import annotations
