@@ -136,6 +136,23 @@ def _mix_step(Q: np.ndarray, K: np.ndarray, group: np.ndarray, data, freqs: np.n
     return Q, K
 
 
+def _descend(step, Q: np.ndarray, K: np.ndarray, best: float, cost, limit: int):
+    """At most ``limit`` steps ``(Q, K) -> step(Q, K)``, each kept only if it lowers ``cost``; stops at the first
+    that does not, or after one that keeps more than ``GAIN`` of it. Returns (Q, K, cost, steps kept)."""
+    kept = 0
+    for _ in range(int(limit)):
+        Qn, Kn = step(Q, K)
+        new = cost(Qn, Kn)
+        if new >= best:
+            break
+        gain = new / best
+        Q, K, best = Qn, Kn, new
+        kept += 1
+        if gain > GAIN:
+            break
+    return Q, K, best, kept
+
+
 def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray, designs, *,
                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, dict]:
     """Stage Q (see the module). ``designs``: per form design (X, L, W) with L, W (n, H, N, N) the logits and
@@ -153,10 +170,8 @@ def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray,
             tot += float(np.sum((w * (np.einsum("re,re->r", xt @ Qc[h].T, u) - y)) ** 2))
         return tot
 
-    Q, K = np.array(Q, dtype=np.float64), np.array(K, dtype=np.float64)
-    start = best = cost(Q, K)
-    sweeps = 0
-    for _ in range(SWEEPS):
+    def sweep(Q, K):
+        """One alternation: every Q_h given K, then every K_g given the new Q_h of its group."""
         Qn = np.stack([_solve(_rotated(xi @ K[group[h]].T, Ds, freqs, dh) / sq, xt, y, w ** 2, Q[h])
                        for h, (xt, xi, Ds, y, w) in enumerate(data)])
         Kn = K.copy()
@@ -168,28 +183,16 @@ def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray,
             y = np.concatenate([data[h][3] for h in members])
             w2 = np.concatenate([data[h][4] for h in members]) ** 2
             Kn[g] = _solve(U, Xs, y, w2, K[g])
-        new = cost(Qn, Kn)
-        if new >= best:
-            break
-        gain = new / best
-        Q, K, best = Qn, Kn, new
-        sweeps += 1
-        if gain > GAIN:
-            break
-    mixes = 0
-    for _ in range(MIX_STEPS):
-        Qn, Kn = _mix_step(Q, K, group, data, freqs, dh)
-        new = cost(Qn, Kn)
-        if new >= best:
-            break
-        gain = new / best
-        Q, K, best = Qn, Kn, new
-        mixes += 1
-        if gain > GAIN:
-            break
+        return Qn, Kn
+
+    Q, K = np.array(Q, dtype=np.float64), np.array(K, dtype=np.float64)
+    start = cost(Q, K)
+    Q, K, best, sweeps = _descend(sweep, Q, K, start, cost, SWEEPS)
+    Q, K, best, mixes = _descend(lambda Q, K: _mix_step(Q, K, group, data, freqs, dh), Q, K, best, cost, MIX_STEPS)
     n = sum(len(r[3]) for r in data)
-    info = {"score_refit_sweeps": sweeps, "score_refit_mix_steps": mixes, "score_refit_rms_before": float(np.sqrt(start / n)),
-            "score_refit_rms_after": float(np.sqrt(best / n)), "score_refit_readings": n}
+    info = {"score_refit_sweeps": sweeps, "score_refit_mix_steps": mixes,
+            "score_refit_rms_before": float(np.sqrt(start / n)), "score_refit_rms_after": float(np.sqrt(best / n)),
+            "score_refit_readings": n}
     return Q, K, info
 
 

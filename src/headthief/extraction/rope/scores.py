@@ -151,22 +151,16 @@ def _ask(oracle: Oracle, X: np.ndarray, reader: WeightReader, progress, rows=Non
     return (*log_ratios(*reader.weights(X, Y, rows)), Y)
 
 
-def _basis(vectors: np.ndarray, dh: int, what: str, fit: float, precision: float) -> tuple[np.ndarray, float]:
+def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndarray, float]:
     """Orthonormal basis of the span of the rows of ``vectors`` (which should have rank dh), and the gap
-    ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens (a
-    float64 misfit above FIT_LIMIT is the model's and :func:`find_spaces` has said so already), so a wide gap
-    here is imprecision: NotIdentifiable."""
+    ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens (at most
+    FIT_LIMIT: :func:`find_spaces` has refused a larger one already), so a wide gap here is imprecision:
+    NotIdentifiable."""
     _, s, Vt = np.linalg.svd(vectors, full_matrices=False)
     gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
     if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
         raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")
     if gap > gap_limit(fit):
-        if fit > FIT_LIMIT:
-            raise NotIdentifiable(
-                f"the {what} readings are too imprecise at this answer precision ({precision:.2g}: the heads' "
-                f"attention weights are read through stage H's O_h, and log(a_i / a_0) fits linear functions of the "
-                f"varied token only to {fit:.2g} relative, and the space's {dh + 1}-th direction is {gap:.3g} of its "
-                f"{dh}-th): a wrong score form cannot be told from imprecision here")
         raise NotIdentifiable(f"the {what} readings are too imprecise to fix a {dh}-dimensional space (singular "
                               f"value {dh + 1} is {gap:.3g} of the {dh}-th, more than the readings' misfit "
                               f"{fit:.2g} explains: {gap_limit(fit):.3g})")
@@ -250,8 +244,8 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
         raise ModelMismatch(f"the score forms do not change with the offset (one query's key vectors at offsets "
                             f"1..{rows - 1} agree to {spread:.2g}): not a rotary layer (no rotation: use --method "
                             "vector)", check="rotation", figure=spread, threshold=max(1e-6, 100 * fit_k))
-    Ua, qgaps = zip(*[_basis(np.stack(qvec[h]), dh, "query space", fit_q, precision) for h in range(H)])
-    kb, kgaps = zip(*[_basis(np.stack(kvec[h]), dh, "key space", fit_k, precision) for h in range(H)])
+    Ua, qgaps = zip(*[_basis(np.stack(qvec[h]), dh, "query space", fit_q) for h in range(H)])
+    kb, kgaps = zip(*[_basis(np.stack(kvec[h]), dh, "key space", fit_k) for h in range(H)])
     qgap, kgap = max(qgaps), max(kgaps)
     # key groups: heads whose key spaces coincide
     G = int(heads.group.max()) + 1
@@ -267,7 +261,7 @@ def find_spaces(oracle: Oracle, heads: Heads, reader: WeightReader, rng: np.rand
     Ub = []
     for g in range(G):
         members = np.flatnonzero(heads.group == g)
-        Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k, precision)[0])
+        Ub.append(_basis(np.vstack([np.stack(kvec[h]) for h in members]), dh, "key space", fit_k)[0])
     info = {"space_queries": queries, "keys_per_space_query": m, "queries_per_space_query": p,
             "query_fit_rms": fit_q, "key_fit_rms": fit_k, "query_space_gap": qgap, "key_space_gap": kgap,
             "key_angle_within_group": within, "key_angle_across_groups": across}
