@@ -356,7 +356,7 @@ def test_stage_q_refits_queries_and_keys_in_all_of_r_d():
     group = np.arange(4) // 2
     Q0 = L.Q + 1e-3 * rng.standard_normal(L.Q.shape)
     K0 = L.K + 1e-3 * rng.standard_normal(L.K.shape)
-    Q, K, info = refine_scores(Q0, K0, L.theta, group, ((X, logits, W),), rng=rng)
+    Q, K, info = refine_scores(Q0, K0, L.theta, group, ((X, logits, W),))
     assert info["score_refit_rms_after"] <= info["score_refit_rms_before"] / 10, info
     for h in range(4):
         for D in (1, 15, 63):
@@ -369,7 +369,7 @@ def test_stage_q_mixing_step_moves_the_slow_planes_basis():
     queries undone by (I + E)^{-T}, so offset 0 cannot see it) between its two slowest planes (0.01 and 0.001 rad
     per step at d_h = 8, base 10000), the direction the alternation hardly moves: one Gauss-Newton step on E
     from exact logits brings the forms at offsets 15 and 63 at least 100x closer (measured 650-920x)."""
-    from headthief.extraction.rope.refine import _mix_step, _readings
+    from headthief.extraction.rope.refine import _mix_step, _readings, _subset_chunks
     L = random_rope_layer(32, 4, 2, seed=44)
     dh = L.head_dim
     rng = np.random.default_rng(2)
@@ -382,9 +382,66 @@ def test_stage_q_mixing_step_moves_the_slow_planes_basis():
     K0 = np.stack([M @ k for k in L.K])
     Q0 = np.stack([np.linalg.solve(M.T, q) for q in L.Q])
     freqs = L.theta ** (-2.0 * np.arange(dh // 2) / dh)
-    data = _readings(((X, logits, W),), group, 4, rng)
-    Q, K = _mix_step(Q0, K0, group, data, freqs, dh)
+    data = _readings(((X, logits, W),), group, 4)
+    Q, K = _mix_step(Q0, K0, group, _subset_chunks(data, freqs, dh), dh)
     for h in range(4):
         for D in (15, 63):
             before, after = _form_errors(L, (Q0, K0), (Q, K), group, h, D)
             assert after <= before / 100, (h, D, before, after)
+
+
+def test_slow_mix_fits_the_slow_planes_mixing_from_the_largest_offsets_alone():
+    """Stage Q's last step: the slow planes' mixing (planes that turn at most SLOW_TURN over the largest offset read)
+    fitted to every reading at the largest offsets (>= SLOW_OFFSETS x the largest), the few readings that a random
+    subset leaves out and that see the slow planes turn most. From exact logits of a layer whose slow planes' keys
+    are mixed (queries undone, so offset 0 cannot see it), one step brings every head's form at offsets 10 and 63
+    at least 100x closer, and the step says which planes and offsets it used."""
+    from headthief.extraction.rope.refine import SLOW_OFFSETS, SLOW_TURN, _slow_mix
+    L = random_rope_layer(32, 4, 2, seed=45)
+    dh = L.head_dim
+    rng = np.random.default_rng(3)
+    X, logits, W = _exact_logits(L, rng)
+    group = np.arange(4) // 2
+    freqs = L.theta ** (-2.0 * np.arange(dh // 2) / dh)
+    Dmax = X.shape[1] - 2
+    slow = np.flatnonzero(freqs * Dmax <= SLOW_TURN)
+    assert len(slow) >= 2                        # d_h = 8, base 10000: planes 1 (0.1 rad a step), 2, 3
+    coords = np.concatenate([slow, slow + dh // 2])
+    E = np.zeros((dh, dh))
+    E[np.ix_(coords, coords)] = 1e-3 * rng.standard_normal((len(coords), len(coords)))
+    M = np.eye(dh) + E
+    K0 = np.stack([M @ k for k in L.K])
+    Q0 = np.stack([np.linalg.solve(M.T, q) for q in L.Q])
+    Q, K, info = _slow_mix(Q0, K0, group, ((X, logits, W),), freqs, dh)
+    assert info["slow_mix_planes"] == len(slow) and info["slow_mix_steps"] >= 1
+    assert info["slow_mix_offsets"] == [int(np.ceil(SLOW_OFFSETS * Dmax)), Dmax]
+    assert info["slow_mix_rms_after"] <= info["slow_mix_rms_before"] / 100, info
+    for h in range(4):
+        for D in (10, 63):
+            before, after = _form_errors(L, (Q0, K0), (Q, K), group, h, D)
+            assert after <= before / 100, (h, D, before, after)
+
+
+def test_stage_q_keeps_the_most_precise_readings(monkeypatch):
+    """Stage Q refits from at most READINGS readings per head: the ones with the largest weights (the inverse of
+    their standard deviations), each with its own tokens, offset and logit, across every design."""
+    import headthief.extraction.rope.refine as refine
+    L = random_rope_layer(32, 4, 2, seed=46)
+    rng = np.random.default_rng(4)
+    X, logits, _ = _exact_logits(L, rng)
+    W = np.where(np.isfinite(logits), rng.uniform(0.1, 10.0, logits.shape), 0.0)
+    X2, logits2, _ = _exact_logits(L, rng)
+    W2 = np.where(np.isfinite(logits2), rng.uniform(0.1, 10.0, logits2.shape), 0.0)
+    designs = ((X, logits, W), (X2, logits2, W2))
+    monkeypatch.setattr(refine, "READINGS", 500)
+    data = refine._readings(designs, np.arange(4) // 2, 4)
+    N = X.shape[1]
+    below = np.tril(np.ones((N, N), bool), -1) & (np.arange(N) >= 1)[None, :]
+    for h, (xt, xi, Ds, y, w) in enumerate(data):
+        every = np.sort(np.concatenate([Wd[:, h][:, below] for _, _, Wd in designs], axis=None))[::-1]
+        assert len(w) == 500 and np.array_equal(np.sort(w)[::-1], every[:500])
+        # each kept reading is the logit of its own two tokens at its offset
+        dh = L.head_dim
+        for r in range(0, 500, 50):
+            R = _rot(-Ds[r] * L.theta ** (-2.0 * np.arange(dh // 2) / dh), dh)
+            assert abs(xt[r] @ L.Q[h].T @ R @ L.K[h // 2] @ xi[r] / np.sqrt(dh) - y[r]) <= 1e-9 * (1 + abs(y[r]))

@@ -215,7 +215,7 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     rot = rotation_parts(fm.T, fm.offsets, part.group, sp.Ua, sp.Ub, tol=part.info["linearity_tol"])
     Q, K, refit = rot.Q, rot.K, {}
     if eps > PRECISE:               # float32 answers: the spaces (~5e-5) limit the forms; refit in all of R^d
-        Q, K, refit = refine_scores(rot.Q, rot.K, rot.theta, part.group, fm.logits, rng=rng)
+        Q, K, refit = refine_scores(rot.Q, rot.K, rot.theta, part.group, fm.logits)
     fm = dataclasses.replace(fm, logits=())
     bias = bool(np.any(np.abs(part.b) > 0))
     layer = RopeAttention(Q=Q, K=K, V=part.V, Wo=part.Wo, bo=part.b if bias else None, bias=bias,
