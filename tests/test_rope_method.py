@@ -10,7 +10,7 @@ import pytest
 
 import headthief as ht
 from headthief.errors import ModelMismatch, SpecError
-from headthief.extraction.rope import expected_queries, extract_rope
+from headthief.extraction.rope import expected_queries, extract_rope, rope_errors
 from headthief.extraction.rope.partitions import CHECKS
 from headthief.extraction.rope.rotation import _rot
 from headthief.models.rope import RopeAttention, random_rope_layer, rotary_tables
@@ -445,3 +445,37 @@ def test_stage_q_keeps_the_most_precise_readings(monkeypatch):
         for r in range(0, 500, 50):
             R = _rot(-Ds[r] * L.theta ** (-2.0 * np.arange(dh // 2) / dh), dh)
             assert abs(xt[r] @ L.Q[h].T @ R @ L.K[h // 2] @ xi[r] / np.sqrt(dh) - y[r]) <= 1e-9 * (1 + abs(y[r]))
+
+
+def test_a_split_that_does_not_explain_the_answers_runs_stage_h_again_with_smaller_moves(monkeypatch):
+    """float32 answers: when stage O refuses stage H's split (as on rope-mha d=64 float32 seed 4013, where moves of
+    0.2 lam changed the token a head picks on most rows and 7 'heads' were accepted), stage H runs once more with
+    every round's moves ETA32_RETRY x lam; the discarded queries are reported, and the layer comes out as from a
+    first stage H. Here stage O is made to refuse the first split."""
+    import headthief.extraction.rope as rope
+    from headthief.errors import NotIdentifiable
+    from headthief.extraction.rope.partitions import ETA32, ETA32_RETRY
+    real, seen = rope.refine_outputs, []
+
+    def refuses_first(oracle, part, rng, **kw):
+        seen.append((part.info["eta"] / part.info["lam"], part.info["stage_h_retry"], oracle.queries))
+        if len(seen) == 1:
+            raise NotIdentifiable("the heads that stage H found do not explain the answers (test)")
+        return real(oracle, part, rng, **kw)
+
+    monkeypatch.setattr(rope, "refine_outputs", refuses_first)
+    L = random_rope_layer(32, 4, 2, seed=47)
+    o = ModelOracle(L.astype(np.float32))
+    res = extract_rope(o, rng=0, verify=64)
+    assert [(e, r) for e, r, _ in seen] == [(ETA32, False), (ETA32_RETRY, True)]
+    assert res.diagnostics["queries_stage_H_discarded"] == seen[0][2] - 2          # all but the 2-sequence probe
+    assert res.check.verdict == "pass"
+    err = rope_errors(res.layer, L)
+    assert err["heads_matched"] and err["O_rel_err"] <= 1e-5 and err["Q_rel_err"] <= 1e-3, err
+
+    def refuses_always(oracle, part, rng, **kw):
+        raise NotIdentifiable("the heads that stage H found do not explain the answers (test)")
+
+    monkeypatch.setattr(rope, "refine_outputs", refuses_always)
+    with pytest.raises(NotIdentifiable, match="a second stage H with smaller moves"):
+        extract_rope(ModelOracle(L.astype(np.float32)), rng=0, verify=64)

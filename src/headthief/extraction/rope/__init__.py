@@ -206,9 +206,21 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     eps = max(kind.eps, kind.tau / max(float(np.sqrt(np.mean(probe ** 2))), 1e-300))
     if progress is not None:
         progress(2)
+    start_h = oracle.queries
+    discarded = 0                   # queries of a first stage H (and O) whose split did not explain the answers
     part = find_heads(oracle, rng, precision=eps, heads=heads, max_len=max_len, progress=progress)
     if eps > PRECISE:               # float32 answers: stage H's O_h (~1e-5) would limit every later stage
-        part = refine_outputs(oracle, part, rng, max_len=max_len, progress=progress)
+        try:
+            part = refine_outputs(oracle, part, rng, max_len=max_len, progress=progress)
+        except NotIdentifiable as first:
+            # stage H's split does not explain the answers: once more, every round with the smaller moves (which
+            # change the token a head picks on fewer rows); a second refusal is the answer
+            discarded = oracle.queries - start_h
+            part = find_heads(oracle, rng, precision=eps, heads=heads, max_len=max_len, retry=True, progress=progress)
+            try:
+                part = refine_outputs(oracle, part, rng, max_len=max_len, progress=progress)
+            except NotIdentifiable as second:
+                raise NotIdentifiable(f"{second} (a second stage H with smaller moves; the first: {first})") from first
     reader = WeightReader(part)
     sp = find_spaces(oracle, part, reader, rng, max_len=max_len, precision=eps, progress=progress)
     fm = read_forms(oracle, part, sp, reader, rng, max_len=max_len, precision=eps, progress=progress)
@@ -235,6 +247,7 @@ def extract_rope(oracle: Oracle, *, heads: int | None = None, rng: np.random.Gen
     diag = {"heads_found": layer.heads, "kv_heads_found": layer.kv_heads, "head_dim": layer.head_dim,
             "theta": rot.theta, "freqs_read": rot.info["freqs_read"], "answer_precision": eps,
             "queries_stage_H": part.queries, "queries_stage_O": int(part.info.get("output_queries", 0)),
+            "queries_stage_H_discarded": discarded,
             "queries_stage_S": sp.queries + fm.queries,
             "longest_extraction_query": longest, "verify_len": int(verify_len), "insample_rel_err": insample,
             "form_residual": fm.residual, **{k: v for k, v in part.info.items() if k != "head_dim"},
