@@ -390,13 +390,13 @@ def test_stage_q_mixing_step_moves_the_slow_planes_basis():
             assert after <= before / 100, (h, D, before, after)
 
 
-def test_slow_mix_fits_the_slow_planes_mixing_from_the_largest_offsets_alone():
-    """Stage Q's last step: the slow planes' mixing (planes that turn at most SLOW_TURN over the largest offset read)
-    fitted to every reading at the largest offsets (>= SLOW_OFFSETS x the largest), the few readings that a random
-    subset leaves out and that see the slow planes turn most. From exact logits of a layer whose slow planes' keys
-    are mixed (queries undone, so offset 0 cannot see it), one step brings every head's form at offsets 10 and 63
-    at least 100x closer, and the step says which planes and offsets it used."""
-    from headthief.extraction.rope.refine import SLOW_OFFSETS, SLOW_TURN, _slow_mix
+def test_far_mix_fits_the_slow_planes_mixing_from_the_largest_offsets_alone():
+    """Stage Q's last step: the mixing inside the d_h coordinates fitted to every reading at the largest offsets
+    (>= FAR_OFFSETS x the largest), the few readings that the subset of the most precise ones leaves out and that
+    see slow planes turn most. From exact logits of a layer whose slow planes' keys are mixed (queries undone, so
+    offset 0 cannot see it), one step brings every head's form at offsets 10 and 63 at least 100x closer, and the
+    step says which offsets and how many readings it used."""
+    from headthief.extraction.rope.refine import FAR_OFFSETS, _far_mix
     L = random_rope_layer(32, 4, 2, seed=45)
     dh = L.head_dim
     rng = np.random.default_rng(3)
@@ -404,18 +404,19 @@ def test_slow_mix_fits_the_slow_planes_mixing_from_the_largest_offsets_alone():
     group = np.arange(4) // 2
     freqs = L.theta ** (-2.0 * np.arange(dh // 2) / dh)
     Dmax = X.shape[1] - 2
-    slow = np.flatnonzero(freqs * Dmax <= SLOW_TURN)
-    assert len(slow) >= 2                        # d_h = 8, base 10000: planes 1 (0.1 rad a step), 2, 3
+    slow = np.flatnonzero(freqs * Dmax <= 1.0)   # d_h = 8, base 10000: planes 1 (0.1 rad a step), 2, 3
     coords = np.concatenate([slow, slow + dh // 2])
     E = np.zeros((dh, dh))
     E[np.ix_(coords, coords)] = 1e-3 * rng.standard_normal((len(coords), len(coords)))
     M = np.eye(dh) + E
     K0 = np.stack([M @ k for k in L.K])
     Q0 = np.stack([np.linalg.solve(M.T, q) for q in L.Q])
-    Q, K, info = _slow_mix(Q0, K0, group, ((X, logits, W),), freqs, dh)
-    assert info["slow_mix_planes"] == len(slow) and info["slow_mix_steps"] >= 1
-    assert info["slow_mix_offsets"] == [int(np.ceil(SLOW_OFFSETS * Dmax)), Dmax]
-    assert info["slow_mix_rms_after"] <= info["slow_mix_rms_before"] / 100, info
+    Q, K, info = _far_mix(Q0, K0, group, ((X, logits, W),), freqs, dh)
+    dmin = int(np.ceil(FAR_OFFSETS * Dmax))
+    assert info["far_mix_steps"] >= 1 and info["far_mix_offsets"] == [dmin, Dmax]
+    pairs = sum(X.shape[1] - 1 - D for D in range(dmin, Dmax + 1))          # (t, t - D) with t - D >= 1
+    assert info["far_mix_readings"] == 4 * X.shape[0] * pairs                 # every head, every sequence
+    assert info["far_mix_rms_after"] <= info["far_mix_rms_before"] / 100, info
     for h in range(4):
         for D in (10, 63):
             before, after = _form_errors(L, (Q0, K0), (Q, K), group, h, D)
