@@ -36,6 +36,7 @@ from ...errors import ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 
 CHECKS = 4            # random perturbations per round that test the exact linearity of every row
+LAM32 = 100.0        # float32 answers: stage H's token scale (entries ~ lam)
 ETA32 = 0.2          # float32 answers: the first round's moves, x lam (reads the O_h most precisely)
 ETA32_RETRY = 0.05   # and every later round's, and a second stage H's: a move of 0.2 lam changes which token a
                      # head picks on most rows at d = 64 (45 of 72 rows rejected, 6 of 20 seeds 4000..4019 did not
@@ -230,7 +231,9 @@ def find_heads(oracle: Oracle, rng: np.random.Generator, *, precision: float, he
     N = round_tokens(max_len)
     # long tokens: scores ~ lam^2 apart; a one-coordinate move eta changes them by ~ lam eta. The classes are
     # read to ~ precision * (lam / eta) * sqrt(d) relative (the answers' rounding over the move)
-    lam = float(lam if lam is not None else (200.0 if precision < 1e-10 else 30.0))
+    # float32: lam = 100 (30 left rows unsaturated: rope-mha d=64 float32 seeds 5003 and 5006 did not split in 6
+    # rounds, 5007 split into 6 heads; at 100 all three split right, and no seed measured lost O_h precision)
+    lam = float(lam if lam is not None else (200.0 if precision < 1e-10 else LAM32))
     # float32: eta = 0.2 lam first (0.5 read O_h twice as precisely at d = 256, but changed which token a head
     # picks on so many rows at d = 64 that 3 of 8 seeds did not split; measured, docs/decoder.md), then 0.05 lam
     def eta_of(rnd):
