@@ -157,10 +157,24 @@ def _far_chunks(designs, freqs: np.ndarray, dh: int, dmin: int):
                     y, w = L[:, h, t, t - D].reshape(-1), W[:, h, t, t - D].reshape(-1)
                     ok = np.flatnonzero(np.isfinite(y) & (w > 0))
                     q, k = Qx[:, t].reshape(-1, dh)[ok], Kx[:, t - D].reshape(-1, dh)[ok]
+                    y, w = y[ok], w[ok]
                     for o in range(0, len(ok), CHUNK):
                         sl = slice(o, o + CHUNK)
-                        yield q[sl], k[sl], k[sl] @ R.T, q[sl] @ R, y[ok][sl], w[ok][sl]
+                        yield q[sl], k[sl], k[sl] @ R.T, q[sl] @ R, y[sl], w[sl]
     return chunks
+
+
+def _far_count(designs, dmin: int) -> int:
+    """How many readings :func:`_far_chunks` yields over every head."""
+    n = 0
+    for X, L, W in designs:
+        N = X.shape[1]
+        live = np.any(X != 0, axis=(0, 2))
+        for D in range(int(dmin), N):
+            t = np.arange(D + 1, N)
+            t = t[live[t] & live[t - D]]
+            n += int(np.sum(np.isfinite(L[:, :, t, t - D]) & (W[:, :, t, t - D] > 0)))
+    return n
 
 
 def _members(group: np.ndarray, g: int) -> list[int]:
@@ -174,31 +188,26 @@ def _chunks_cost(chunks, Q: np.ndarray, K: np.ndarray, group: np.ndarray, dh: in
                for g in range(K.shape[0]) for q, _, Rk, _, y, w in chunks(g, Q, K, _members(group, g)))
 
 
-def _mix_step(Q: np.ndarray, K: np.ndarray, group: np.ndarray, chunks, dh: int, coords=None):
+def _mix_step(Q: np.ndarray, K: np.ndarray, group: np.ndarray, chunks, dh: int):
     """One Gauss-Newton step, per group, on the mixing E inside the d_h coordinates: ``K_g -> (I + E) K_g`` and
     every ``Q_h`` of the group ``-> (I + E)^{-T} Q_h``. To first order the logit changes by
     ``q^T (R E - E R) k / sqrt(d_h)`` (q = Q_h x_t, k = K_g x_i, R = R(-D theta)): linear in E's entries,
     solved exactly from the normal equations (minimum norm: the E that commute with every R are the symmetries).
     This is the direction the alternation moves slowly: the slow planes' basis, which only their small turn
-    over the offsets read fixes. ``coords``: the coordinates E may mix (whole planes; default all d_h), which
-    keeps the normal equations small when many readings are used; ``chunks`` as :func:`_subset_chunks`."""
+    over the offsets read fixes. ``chunks`` as :func:`_subset_chunks` (or :func:`_far_chunks`)."""
     Q, K = Q.copy(), K.copy()
     sq = np.sqrt(dh)
-    S = np.arange(dh) if coords is None else np.asarray(coords)
-    s = len(S)
     for g in range(K.shape[0]):
         members = _members(group, g)
-        A = np.zeros((s * s, s * s))
-        rhs = np.zeros(s * s)
+        A = np.zeros((dh * dh, dh * dh))
+        rhs = np.zeros(dh * dh)
         for q, k, Rk, Rtq, y, w in chunks(g, Q, K, members):
             r = np.einsum("re,re->r", q, Rk) / sq - y
-            F = (np.einsum("ra,rb->rab", Rtq[:, S], k[:, S])
-                 - np.einsum("ra,rb->rab", q[:, S], Rk[:, S])).reshape(len(r), -1) / sq
+            F = (np.einsum("ra,rb->rab", Rtq, k) - np.einsum("ra,rb->rab", q, Rk)).reshape(len(r), -1) / sq
             F *= w[:, None]
             A += F.T @ F
             rhs -= F.T @ (w * r)
-        M = np.eye(dh)
-        M[np.ix_(S, S)] += np.linalg.lstsq(A, rhs, rcond=1e-12)[0].reshape(s, s)
+        M = np.eye(dh) + np.linalg.lstsq(A, rhs, rcond=1e-12)[0].reshape(dh, dh)
         K[g] = M @ K[g]
         for h in members:
             Q[h] = np.linalg.solve(M.T, Q[h])
@@ -281,7 +290,7 @@ def _far_mix(Q: np.ndarray, K: np.ndarray, group: np.ndarray, designs, freqs: np
 
     start = cost(Q, K)
     Q, K, best, steps = _descend(lambda Q, K: _mix_step(Q, K, group, far, dh), Q, K, start, cost, FAR_STEPS)
-    n = sum(len(c[4]) for g in range(K.shape[0]) for c in far(g, Q, K, _members(group, g)))
+    n = _far_count(designs, dmin)
     return Q, K, {"far_mix_steps": steps, "far_mix_offsets": [dmin, Dmax], "far_mix_readings": n,
                   "far_mix_rms_before": float(np.sqrt(start / max(n, 1))),
                   "far_mix_rms_after": float(np.sqrt(best / max(n, 1)))}
