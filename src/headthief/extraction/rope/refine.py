@@ -56,7 +56,7 @@ def _readings(designs, group, H):
     :func:`_far_mix`."""
     out = []
     for h in range(H):
-        idx = []
+        idx, wts = [], []
         for k, (X, L, W) in enumerate(designs):
             live = np.any(X != 0, axis=(0, 2))
             ok = np.isfinite(L[:, h]) & (W[:, h] > 0)                    # (n, N, N)
@@ -64,11 +64,10 @@ def _readings(designs, group, H):
             ok &= np.tril(np.ones(ok.shape[1:], bool), -1)[None] & (np.arange(ok.shape[2]) >= 1)[None, None, :]
             s, t, i = np.nonzero(ok)
             idx.append(np.stack([np.full(len(s), k), s, t, i], axis=1))
+            wts.append(W[s, h, t, i])
         idx = np.concatenate(idx)
         if len(idx) > READINGS:
-            w = np.concatenate([W[idx[idx[:, 0] == k, 1], h, idx[idx[:, 0] == k, 2], idx[idx[:, 0] == k, 3]]
-                                for k, (_, _, W) in enumerate(designs)])
-            idx = idx[np.sort(np.argpartition(-w, READINGS)[:READINGS])]
+            idx = idx[np.sort(np.argpartition(-np.concatenate(wts), READINGS)[:READINGS])]
         xt = np.empty((len(idx), designs[0][0].shape[2]))
         xi = np.empty_like(xt)
         ys, ws = np.empty(len(idx)), np.empty(len(idx))
@@ -143,16 +142,10 @@ def _far_chunks(designs, freqs: np.ndarray, dh: int, dmin: int):
     subset: the few readings at the largest offsets are what fix the slow planes)."""
     def chunks(g, Q, K, members):
         for X, L, W in designs:
-            n, N, _ = X.shape
-            live = np.any(X != 0, axis=(0, 2))
             Kx = X @ K[g].T
             for h in members:
                 Qx = X @ Q[h].T
-                for D in range(int(dmin), N):
-                    t = np.arange(D + 1, N)
-                    t = t[live[t] & live[t - D]]
-                    if not len(t):
-                        continue
+                for D, t in _offset_rows(X, dmin):
                     R = _rot(-D * freqs, dh)
                     y, w = L[:, h, t, t - D].reshape(-1), W[:, h, t, t - D].reshape(-1)
                     ok = np.flatnonzero(np.isfinite(y) & (w > 0))
@@ -166,15 +159,20 @@ def _far_chunks(designs, freqs: np.ndarray, dh: int, dmin: int):
 
 def _far_count(designs, dmin: int) -> int:
     """How many readings :func:`_far_chunks` yields over every head."""
-    n = 0
-    for X, L, W in designs:
-        N = X.shape[1]
-        live = np.any(X != 0, axis=(0, 2))
-        for D in range(int(dmin), N):
-            t = np.arange(D + 1, N)
-            t = t[live[t] & live[t - D]]
-            n += int(np.sum(np.isfinite(L[:, :, t, t - D]) & (W[:, :, t, t - D] > 0)))
-    return n
+    return sum(int(np.sum(np.isfinite(L[:, :, t, t - D]) & (W[:, :, t, t - D] > 0)))
+               for X, L, W in designs for D, t in _offset_rows(X, dmin))
+
+
+def _offset_rows(X: np.ndarray, dmin: int):
+    """(D, t) for each offset D >= dmin that design X reads: the rows t whose key t - D (>= 1, after the zero
+    token) and query are tokens that are not zero in every sequence."""
+    N = X.shape[1]
+    live = np.any(X != 0, axis=(0, 2))
+    for D in range(int(dmin), N):
+        t = np.arange(D + 1, N)
+        t = t[live[t] & live[t - D]]
+        if len(t):
+            yield D, t
 
 
 def _members(group: np.ndarray, g: int) -> list[int]:
@@ -254,7 +252,7 @@ def refine_scores(Q: np.ndarray, K: np.ndarray, theta: float, group: np.ndarray,
                        for h, (xt, xi, Ds, y, w) in enumerate(data)])
         Kn = K.copy()
         for g in range(G):
-            members = [h for h in range(H) if group[h] == g]
+            members = _members(group, g)
             # the key side: (R(-D) K x_i) . (Q x_t) = (K x_i) . (R(D) Q x_t)
             U = np.concatenate([_rotated(data[h][0] @ Qn[h].T, -data[h][2], freqs, dh) / sq for h in members])
             Xs = np.concatenate([data[h][1] for h in members])
