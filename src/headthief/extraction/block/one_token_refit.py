@@ -1,0 +1,193 @@
+"""Stage F's refit for coarse (float32) answers: the one-token map fitted to the answers already paid for.
+
+A one-token query x is answered by ``y = LN2(u(m))`` with ``m = normalize(B x + b)`` (LN1's normalised
+output) and ``u(m) = gamma * m + c + W2 gelu(W1m m + b1m)`` (:class:`~.ffn.FFNPart`). Stages L, V and F
+recover every part of it by exact algebra on finite differences; with float32 answers those differences
+are good to the stencil's error (``eps^0.8 sqrt(d)``, ~7e-6 at d = 16) only, and the span, the rank-one
+neurons and the profile fits built on them carry ~1e-3 (measured: one-token fidelity 2.2e-3 at d = 16).
+
+The answers themselves are good to float32's rounding (~6e-8 relative). So this stage takes the algebraic
+parts as a start and minimises ``sum |y(x) - y_answer|^2`` over every one-token answer stages V and F paid
+for (their stencils: tens of thousands of answers), in all the parameters at once (``B, b``, LN1's gamma,
+the neurons, ``c``, LN2's gamma and beta), by L-BFGS with the exact gradient (written out below, checked
+against finite differences in the tests). No query is sent. The fit is local: it needs the algebraic start
+(a fit from random weights stalls: docs/block.md), and it says so per part (``info["fitted"]``).
+
+Gauges the fit cannot see and which are fixed afterwards: LN1 ignores the scale and the ones-component of
+``B x + b`` (``B, b`` are rescaled to stage V's scale, which the Jacobians fix, and centred); LN2 ignores
+the scale of u (``|gamma| = sqrt(d)``); ``W1m`` acts on mean-zero m only (its ones-component is removed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...errors import ConvergenceError
+from .ffn import FFNPart
+from .layernorm import OutputLayerNorm
+from .value_sum import ValueSum, centre
+
+MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
+CHUNK = 500            # L-BFGS runs in chunks of this many iterations; it stops after one that gains < 10% rms
+
+
+def _shapes(d: int, f: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("B", (d, d)), ("b", (d,)), ("gam", (d,)), ("c", (d,)), ("W1", (f, d)), ("b1", (f,)),
+            ("W2", (d, f)), ("g2", (d,)), ("be2", (d,))]
+
+
+def _pack(p: dict) -> np.ndarray:
+    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in p.values()])
+
+
+def _unpack(theta: np.ndarray, d: int, f: int) -> dict:
+    out, i = {}, 0
+    for name, shp in _shapes(d, f):
+        k = int(np.prod(shp))
+        out[name] = theta[i:i + k].reshape(shp)
+        i += k
+    return out
+
+
+def _normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    vc = v - v.mean(axis=1, keepdims=True)
+    r = np.sqrt((vc * vc).mean(axis=1, keepdims=True))
+    return vc / r, r
+
+
+def _normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
+    dvc = (dn - n * (dn * n).mean(axis=1, keepdims=True)) / r
+    return dvc - dvc.mean(axis=1, keepdims=True)
+
+
+def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: int) -> tuple[float, np.ndarray]:
+    """``0.5 sum |y(x) - Y|^2`` over the one-token answers and its gradient in the packed parameters."""
+    from scipy.special import erf
+    p = _unpack(theta, d, f)
+    m, r1 = _normalize(X @ p["B"].T + p["b"])
+    s = m @ p["W1"].T + p["b1"]
+    Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
+    g = s * Phi
+    n, r2 = _normalize(m * p["gam"] + p["c"] + g @ p["W2"].T)
+    res = n * p["g2"] + p["be2"] - Y
+    L = 0.5 * float(np.sum(res * res))
+    dn = res * p["g2"]
+    du = _normalize_back(dn, n, r2)
+    ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
+    dm = du * p["gam"] + ds @ p["W1"]
+    dpre = _normalize_back(dm, m, r1)
+    grads = {"B": dpre.T @ X, "b": dpre.sum(axis=0), "gam": (du * m).sum(axis=0), "c": du.sum(axis=0),
+             "W1": ds.T @ m, "b1": ds.sum(axis=0), "W2": du.T @ g, "g2": (res * n).sum(axis=0),
+             "be2": res.sum(axis=0)}
+    return L, _pack({k: grads[k] for k, _ in _shapes(d, f)})
+
+
+def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray, Y: np.ndarray, *,
+                    max_iter: int = MAX_ITER, progress=None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
+    """The parts refitted to the one-token answers ``Y`` (k, d) of tokens ``X`` (k, d) (module docstring):
+    ``(part, ln, vs, info)``. ``info`` has the rms residual before and after (relative to the answers' rms),
+    the iterations, and ``fitted``. Raises :class:`ConvergenceError` when L-BFGS stops on an error other
+    than convergence or the iteration cap with the fit no better than its start."""
+    from scipy.optimize import minimize
+    X = np.asarray(X, dtype=np.float64)
+    Y = np.asarray(Y, dtype=np.float64)
+    d, f = X.shape[1], part.W1m.shape[0]
+    Bfull = np.linalg.inv(vs.Binv)                     # full-rank B (its ones-component is LN1's to ignore)
+    start = {"B": Bfull, "b": Bfull @ vs.c0, "gam": part.gamma, "c": part.c, "W1": part.W1m, "b1": part.b1m,
+             "W2": part.W2, "g2": ln.gamma, "be2": ln.beta}
+    theta0 = _pack(start)
+    rms = float(np.sqrt(np.mean(Y * Y)))
+    L0, _ = loss_and_grad(theta0, X, Y, d, f)
+    calls = [0]
+
+    def fun(th):
+        calls[0] += 1
+        L, G = loss_and_grad(th, X, Y, d, f)
+        if progress is not None and calls[0] % 50 == 0:
+            progress(calls[0], np.sqrt(2 * L / Y.size) / rms)
+        return L, G
+
+    theta, L1, iters, message = theta0, L0, 0, ""
+    while iters < max_iter:                 # chunks of CHUNK iterations, until a chunk gains less than 10%
+        sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
+                       options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
+                                "ftol": 0.0, "gtol": 0.0})
+        iters += int(sol.nit)
+        message = str(sol.message)
+        gained = float(sol.fun) < 0.81 * L1                # rms down by more than 10%
+        if float(sol.fun) < L1:
+            theta, L1 = sol.x, float(sol.fun)
+        if not gained or int(sol.nit) == 0:
+            break
+    before = float(np.sqrt(2 * L0 / Y.size) / rms)
+    after = float(np.sqrt(2 * L1 / Y.size) / rms)
+    if not np.isfinite(L1) or L1 >= L0:
+        raise ConvergenceError(f"the one-token refit did not improve on the algebraic start (rms {before:.3g} -> "
+                               f"{after:.3g}; L-BFGS: {message})")
+    p = _unpack(theta, d, f)
+    # gauges: B, b to stage V's scale (LN1 ignores it), centred; u's scale to |gamma| = sqrt(d)
+    k = float(np.sum(centre(p["B"]) * vs.B) / np.sum(centre(p["B"]) ** 2))
+    Bn, bn = k * p["B"], k * p["b"]
+    s = float(np.linalg.norm(p["gam"]) / np.sqrt(d)) * (1.0 if p["gam"].sum() > 0 else -1.0)
+    P = np.eye(d) - 1.0 / d
+    new_part = FFNPart(gamma=p["gam"] / s, c=P @ (p["c"] / s), W1m=p["W1"] @ P, b1m=p["b1"].copy(), W2=p["W2"] / s,
+                       info={**part.info, "refit": True,
+                             "fitted": list(part.info.get("fitted", [])) + ["every one-token part (L-BFGS refit)"]})
+    Binv = np.linalg.inv(Bn)
+    c1 = Binv @ np.ones(d)
+    c1 = c1 / np.linalg.norm(c1)
+    c0 = Binv @ bn
+    c0 = c0 - c1 * (c1 @ c0)
+    new_vs = dataclasses.replace(vs, B=centre(Bn), b=centre(bn), Binv=Binv, c0=c0, c1=c1)
+    new_ln = dataclasses.replace(ln, gamma=p["g2"].copy(), beta=p["be2"].copy())
+    info = {"refit_rms_before": before, "refit_rms_after": after, "refit_iterations": iters,
+            "refit_answers": int(len(X)), "refit_message": message}
+    return new_part, new_ln, new_vs, info
+
+
+def random_queries(d: int, ffn: int) -> int:
+    """One-token queries of random tokens added to the refit's answers: twice the parameters over d (at
+    least 2000). The stencils' answers sit in small neighbourhoods of T points; random tokens of norms 0.5 to
+    1.5 times the base scale cover LN1's sphere and fix ``B, b`` (measured at d = 16, float32: one-token
+    fidelity 8.5e-4 from the stencils' answers alone, 6.8e-7 from 3,000 random ones alone)."""
+    params = 2 * d * d + 5 * d + 2 * d * ffn + ffn
+    return max(3000, 8 * params // d)
+
+
+def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
+                      scale: float, progress=None):
+    """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
+    the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
+    ``(part, ln, vs, info, (X, Y))`` with ``info["queries"]`` and the tokens and answers. Stage F's stencil answers are not used: they sit in
+    small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
+    random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s)."""
+    d, f = oracle.d, part.W1m.shape[0]
+    k = random_queries(d, f)
+    Xr = rng.standard_normal((k, d))
+    norms = scale * rng.uniform(0.5, 1.5, (k, 1))
+    if oracle.input_norm is not None:
+        norms = np.minimum(norms, 0.99 * float(oracle.input_norm))
+    Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
+    Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
+    new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress)
+    return new_part, new_ln, new_vs, {**info, "queries": int(k)}, (Xr, Yr)
+
+
+def model_jacobian(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum):
+    """``x -> dy/dx`` (d_out, d) of the recovered one-token map (float64 central differences on the model,
+    step 1e-6 |x|: error ~1e-10 against the model), for stage A's pull-back in place of measured Jacobians."""
+    from .ffn import predict_one_token
+
+    def jac(x):
+        x = np.asarray(x, dtype=np.float64)
+        d = x.size
+        h = 1e-6 * max(float(np.linalg.norm(x)), 1.0)
+        E = np.eye(d) * h
+        Y = predict_one_token(part, ln, vs, np.vstack([x + E, x - E]))
+        return ((Y[:d] - Y[d:]) / (2 * h)).T
+    return jac
+
+
+__all__ = ["loss_and_grad", "model_jacobian", "random_queries", "refit_from_oracle", "refit_one_token"]
