@@ -279,9 +279,11 @@ def _polish(F, dirs, Ot, What, rank: int, *, max_iter: int = 2000, tol: float = 
 
 
 def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum, H: int,
-             rng: np.random.Generator):
+             rng: np.random.Generator, *, coarse: bool = False):
     """Steps 3 to 5 of the module docstring: the heads from the scale-fixed reads ``F`` (one (d, d+1) per
-    direction of ``dirs``: e_0, the rows of E, then e_0 + each row of E). Returns O, W, c and figures."""
+    direction of ``dirs``: e_0, the rows of E, then e_0 + each row of E). Returns O, W, c and figures.
+    ``coarse`` (float32 reads, a start for the block refit): 32 pencils instead of 8, and a pencil whose
+    eigenvalues do not fall into H clean groups is cut into H consecutive runs of its sorted real parts."""
     d = E.shape[0]
     dh = d // H
     # 3. factor every read, transport right factors into e_0's mixing
@@ -304,11 +306,13 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
 
     # 4. heads from the pencil of two random combinations
     best = None
-    for _ in range(8):
+    for _ in range(32 if coarse else 8):
         a, bb = rng.standard_normal(H), rng.standard_normal(H)
         Y1, Y2 = np.tensordot(a, Wt, 1), np.tensordot(bb, Wt, 1)
         ev, V = np.linalg.eig(np.linalg.solve(Y1[:d], Y2[:d]))
         groups = _group(ev, H, dh)
+        if groups is None and coarse:            # noisy eigenvalues: consecutive runs of d_h (a start only)
+            groups = np.split(np.argsort(ev.real), H)
         if groups is None:
             continue
         centres = np.array([ev[g].real.mean() for g in groups])
@@ -410,7 +414,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
             + (f"{GAP:g} x the reads' measured noise {worst:.2g}" if coarse else
                f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}")
             + f"): fewer than {H} heads act in this block", check="head rank", figure=weakest, threshold=floor)
-    O, W, c, sep = separate(F, dirs, E, vs, H, rng)
+    O, W, c, sep = separate(F, dirs, E, vs, H, rng, coarse=coarse)
     info = {"heads_detected": heads is None, "queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs),
             "step": t, "stencil_step": h, "expected": float(expected), "read_fit_residual": fit_res,
             "read_rank": ranks, "read_weakest": weakest, **sep,

@@ -160,7 +160,8 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
                       scale: float, progress=None):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
-    ``(part, ln, vs, info, (X, Y))`` with ``info["queries"]`` and the tokens and answers. Stage F's stencil answers are not used: they sit in
+    ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
+    answers. Stage F's stencil answers are not used: they sit in
     small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
     random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s)."""
     d, f = oracle.d, part.W1m.shape[0]
@@ -172,7 +173,7 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
     Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
     Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress)
-    return new_part, new_ln, new_vs, {**info, "queries": int(k)}, (Xr, Yr)
+    return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 
 def model_jacobian(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum):
