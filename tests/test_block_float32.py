@@ -136,3 +136,18 @@ def test_method_block_with_float32_answers():
     stages = [r[f"queries_stage_{k}"] for k in ("L", "activation", "V", "F", "A", "R")]
     assert r["queries"] == sum(stages)
     assert r["one_token_refit_queries"] == one_token_refit.random_queries(12, 24)
+
+
+def test_two_float32_blocks_as_one_end_in_exit_5(tmp_path):
+    """The refits never get to fit a wrong model class: a 2-block float32 stack is refused at stage V."""
+    f = tmp_path / "stack32.py"
+    f.write_text(
+        "import numpy as np\n"
+        "from headthief.models.bert_block import random_block\n"
+        "A = random_block(16, 4, 32, seed=38, dtype=np.float32)\n"
+        "B = random_block(16, 4, 32, seed=39, dtype=np.float32)\n"
+        "def f(seqs):\n"
+        "    return [B.forward(A.forward(np.asarray(x, np.float32)[None]).astype(np.float32))[0].astype(np.float32)\n"
+        "            for x in seqs]\n")
+    rep = ht.extract(f"py:{f}:f", "block", d=16, output="all", ffn=32, raise_errors=False)
+    assert rep.exit_code == 5 and rep.row["model_check"]["check"] == "value-sum"

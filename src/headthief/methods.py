@@ -395,7 +395,8 @@ def _run_block(oracle, target, args, progress, clean=None):
 def _expected_block(target, args):
     from .extraction.block.extract import expected_queries
     _, ffn = _block_sizes(target, args)
-    return expected_queries(target.d, ffn) if ffn else None
+    f32 = str(((target.info or {}) if target is not None else {}).get("dtype", "float64")) == "float32"
+    return expected_queries(target.d, ffn, f32) if ffn else None
 
 
 METHODS["block"] = Method(

@@ -215,28 +215,40 @@ def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> n
 REFIT_LENGTHS = (2, 4, 8, 16)
 
 
+def _refit_counts(d: int, params: int) -> list[int]:
+    """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each."""
+    per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
+    return [-(-per // T) for T in REFIT_LENGTHS]
+
+
 def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, block) -> list:
     """Random sequences for the block refit (:mod:`.block_refit`): for each length in REFIT_LENGTHS, enough
     sequences for a quarter of ``max(4000, 8 x parameters / d)`` answered positions; tokens of norm
     ``scale``. Returns ``[(X (N, T, d), Y (N, T, d)), ...]``."""
     d = oracle.d
     params = sum(int(np.size(v)) for v in refit_params(block).values())
-    per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
     out = []
-    for T in REFIT_LENGTHS:
-        X = rng.standard_normal((-(-per // T), T, d))
+    for T, n in zip(REFIT_LENGTHS, _refit_counts(d, params)):
+        X = rng.standard_normal((n, T, d))
         X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
     return out
 
 
-def expected_queries(d: int, ffn: int) -> int:
-    """The planned query count (float64 answers at every position) for the progress bar: stage L, the
-    activation check, stage V (3 base tokens), stage F with its one-token check, stage A, the model check."""
+def expected_queries(d: int, ffn: int, float32: bool = False) -> int:
+    """The planned query count (answers at every position) for the progress bar: stage L, the activation
+    check, stage V (3 base tokens), stage F with its one-token check, stage A, the model check; for float32
+    answers the one-token refit's random tokens and the block refit's sequences, and no Jacobian stencils
+    in stage A (it pulls back through the refitted model)."""
+    from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
     T = max(5 * (ffn + 1), 2 * d)
-    return (_ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + (4 * (d - 2) + 1) * T + 64 + stage_a_queries(d)
-            + 256)
+    base = _ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + (4 * (d - 2) + 1) * T + 64 + 256
+    if not float32:
+        return base + stage_a_queries(d)
+    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn           # the block refit's parameters (H d_h = d)
+    return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
+            + sum(_refit_counts(d, params)))
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
