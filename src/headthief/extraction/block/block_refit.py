@@ -20,9 +20,9 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
+from .lbfgs import minimize_in_chunks, normalize, normalize_back
 
 MAX_ITER = 20000
-CHUNK = 500
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 
 
@@ -46,17 +46,6 @@ def _unpack(theta: np.ndarray, shapes: dict) -> dict:
     return out
 
 
-def _normalize(v):
-    vc = v - v.mean(axis=-1, keepdims=True)
-    r = np.sqrt((vc * vc).mean(axis=-1, keepdims=True))
-    return vc / r, r
-
-
-def _normalize_back(dn, n, r):
-    dvc = (dn - n * (dn * n).mean(axis=-1, keepdims=True)) / r
-    return dvc - dvc.mean(axis=-1, keepdims=True)
-
-
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads."""
     from scipy.special import erf
@@ -73,17 +62,17 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     N, T = X.shape[:2]
     zc = z.transpose(0, 2, 1, 3).reshape(N, T, H * dh)
     pre = X + zc @ p["Wo"].T + p["bo"]
-    n1, r1 = _normalize(pre)
+    n1, r1 = normalize(pre)
     zz = n1 * p["g1"]
     s = zz @ p["W1"].T + p["b1"]
     Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
     g = s * Phi
-    n2, r2 = _normalize(zz + g @ p["W2"].T + p["b2"])
+    n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"])
     res = n2 * p["g2"] + p["be2"] - Y
     L = 0.5 * float(np.sum(res * res))
     grads["g2"] += np.einsum("ntd,ntd->d", res, n2)
     grads["be2"] += res.sum(axis=(0, 1))
-    du = _normalize_back(res * p["g2"], n2, r2)
+    du = normalize_back(res * p["g2"], n2, r2)
     ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
     grads["W2"] += np.einsum("ntd,ntf->df", du, g)
     grads["b2"] += du.sum(axis=(0, 1))
@@ -91,7 +80,7 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     grads["b1"] += ds.sum(axis=(0, 1))
     dzz = du + ds @ p["W1"]
     grads["g1"] += np.einsum("ntd,ntd->d", dzz, n1)
-    dpre = _normalize_back(dzz * p["g1"], n1, r1)
+    dpre = normalize_back(dzz * p["g1"], n1, r1)
     grads["bo"] += dpre.sum(axis=(0, 1))
     grads["Wo"] += np.einsum("ntd,ntj->dj", dpre, zc)
     dz = (dpre @ p["Wo"]).reshape(N, T, H, dh).transpose(0, 2, 1, 3)         # (N, H, T, dh)
@@ -119,7 +108,6 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring). ``info``: rms residual before/after relative to the answers' rms, the largest
     in-sample error over that rms, the iterations. :class:`ConvergenceError` if the fit cannot improve."""
-    from scipy.optimize import minimize
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     start = params_of(block)
     shapes = {k: np.shape(start[k]) for k in NAMES}
@@ -127,7 +115,6 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
     L0, _ = loss_and_grad(theta, shapes, groups)
-    L1, iters, message = L0, 0, ""
     calls = [0]
 
     def fun(th):
@@ -137,17 +124,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         return L, G
 
-    while iters < max_iter:
-        sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
-                       options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
-                                "ftol": 0.0, "gtol": 0.0})
-        iters += int(sol.nit)
-        message = str(sol.message)
-        gained = float(sol.fun) < 0.81 * L1
-        if float(sol.fun) < L1:
-            theta, L1 = sol.x, float(sol.fun)
-        if not gained or int(sol.nit) == 0:
-            break
+    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter)
     before = float(np.sqrt(2 * L0 / count) / rms)
     after = float(np.sqrt(2 * L1 / count) / rms)
     if not np.isfinite(L1) or L1 >= L0:

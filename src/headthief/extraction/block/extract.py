@@ -266,9 +266,15 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     R = oracle.input_norm
     scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
     stages: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+
+    clock = [time.perf_counter()]
 
     def mark(name, q0):
         stages[name] = int(oracle.queries - q0)
+        now = time.perf_counter()
+        seconds[name] = round(now - clock[0], 2)
+        clock[0] = now
         if progress is not None:
             progress(stages[name])
 
@@ -312,7 +318,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = int(oracle.queries - before["queries"])
-    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()}, "activation_ratio": act.ratio,
+    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()},
+            **{f"seconds_stage_{k}": v for k, v in seconds.items()}, "activation_ratio": act.ratio,
             "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
             "value_sum_residual": vs.residual, "value_sum_conditioning": vs.conditioning,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),

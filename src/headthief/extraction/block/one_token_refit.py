@@ -27,10 +27,10 @@ import numpy as np
 from ...errors import ConvergenceError
 from .ffn import FFNPart
 from .layernorm import OutputLayerNorm
+from .lbfgs import minimize_in_chunks, normalize, normalize_back
 from .value_sum import ValueSum, centre
 
 MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
-CHUNK = 500            # L-BFGS runs in chunks of this many iterations; it stops after one that gains < 10% rms
 
 
 def _shapes(d: int, f: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -51,33 +51,22 @@ def _unpack(theta: np.ndarray, d: int, f: int) -> dict:
     return out
 
 
-def _normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    vc = v - v.mean(axis=1, keepdims=True)
-    r = np.sqrt((vc * vc).mean(axis=1, keepdims=True))
-    return vc / r, r
-
-
-def _normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
-    dvc = (dn - n * (dn * n).mean(axis=1, keepdims=True)) / r
-    return dvc - dvc.mean(axis=1, keepdims=True)
-
-
 def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: int) -> tuple[float, np.ndarray]:
     """``0.5 sum |y(x) - Y|^2`` over the one-token answers and its gradient in the packed parameters."""
     from scipy.special import erf
     p = _unpack(theta, d, f)
-    m, r1 = _normalize(X @ p["B"].T + p["b"])
+    m, r1 = normalize(X @ p["B"].T + p["b"])
     s = m @ p["W1"].T + p["b1"]
     Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
     g = s * Phi
-    n, r2 = _normalize(m * p["gam"] + p["c"] + g @ p["W2"].T)
+    n, r2 = normalize(m * p["gam"] + p["c"] + g @ p["W2"].T)
     res = n * p["g2"] + p["be2"] - Y
     L = 0.5 * float(np.sum(res * res))
     dn = res * p["g2"]
-    du = _normalize_back(dn, n, r2)
+    du = normalize_back(dn, n, r2)
     ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
     dm = du * p["gam"] + ds @ p["W1"]
-    dpre = _normalize_back(dm, m, r1)
+    dpre = normalize_back(dm, m, r1)
     grads = {"B": dpre.T @ X, "b": dpre.sum(axis=0), "gam": (du * m).sum(axis=0), "c": du.sum(axis=0),
              "W1": ds.T @ m, "b1": ds.sum(axis=0), "W2": du.T @ g, "g2": (res * n).sum(axis=0),
              "be2": res.sum(axis=0)}
@@ -90,7 +79,6 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     ``(part, ln, vs, info)``. ``info`` has the rms residual before and after (relative to the answers' rms),
     the iterations, and ``fitted``. Raises :class:`ConvergenceError` when L-BFGS stops on an error other
     than convergence or the iteration cap with the fit no better than its start."""
-    from scipy.optimize import minimize
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
     d, f = X.shape[1], part.W1m.shape[0]
@@ -109,18 +97,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
             progress(calls[0], np.sqrt(2 * L / Y.size) / rms)
         return L, G
 
-    theta, L1, iters, message = theta0, L0, 0, ""
-    while iters < max_iter:                 # chunks of CHUNK iterations, until a chunk gains less than 10%
-        sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
-                       options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
-                                "ftol": 0.0, "gtol": 0.0})
-        iters += int(sol.nit)
-        message = str(sol.message)
-        gained = float(sol.fun) < 0.81 * L1                # rms down by more than 10%
-        if float(sol.fun) < L1:
-            theta, L1 = sol.x, float(sol.fun)
-        if not gained or int(sol.nit) == 0:
-            break
+    theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter)
     before = float(np.sqrt(2 * L0 / Y.size) / rms)
     after = float(np.sqrt(2 * L1 / Y.size) / rms)
     if not np.isfinite(L1) or L1 >= L0:

@@ -1,0 +1,45 @@
+"""What the block's two refits share: LayerNorm's normalisation with its exact backward pass, and L-BFGS
+run in chunks until a chunk stops paying."""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK = 500            # L-BFGS iterations per chunk
+GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
+
+
+def normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(v - mean) / rms`` along the last axis, and the rms (LayerNorm without gamma, beta and eps)."""
+    vc = v - v.mean(axis=-1, keepdims=True)
+    r = np.sqrt((vc * vc).mean(axis=-1, keepdims=True))
+    return vc / r, r
+
+
+def normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The gradient through :func:`normalize`: ``dL/dv`` from ``dL/dn``, n and r."""
+    dvc = (dn - n * (dn * n).mean(axis=-1, keepdims=True)) / r
+    return dvc - dvc.mean(axis=-1, keepdims=True)
+
+
+def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int) -> tuple[np.ndarray, float, int, str]:
+    """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
+    iterations until one gains less than 10% rms or ``max_iter`` iterations are spent: ``(theta, loss,
+    iterations, message)``, the best point seen (the start when nothing improved on it)."""
+    from scipy.optimize import minimize
+    theta, L1, iters, message = theta0, float(L0), 0, ""
+    while iters < max_iter:
+        sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
+                       options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
+                                "ftol": 0.0, "gtol": 0.0})
+        iters += int(sol.nit)
+        message = str(sol.message)
+        gained = float(sol.fun) < GAIN * L1
+        if float(sol.fun) < L1:
+            theta, L1 = sol.x, float(sol.fun)
+        if not gained or int(sol.nit) == 0:
+            break
+    return theta, L1, iters, message
+
+
+__all__ = ["minimize_in_chunks", "normalize", "normalize_back"]
