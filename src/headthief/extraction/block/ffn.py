@@ -292,7 +292,16 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     span_tol, rank_tol = tolerances(precision, d)
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
                                     best_on_stall=precision > 1e-15)
-    pairs, starts = rank_ones(Q, ffn, d, rng, tol=rank_tol)
+    if precision <= 1e-15:
+        pairs, starts = rank_ones(Q, ffn, d, rng, tol=rank_tol)
+    else:                  # a blurred span: a neuron the search misses is retried at 3x and 10x the tolerance
+        for k, tol in enumerate(min(f * rank_tol, 0.3) for f in (1, 3, 10)):
+            try:
+                pairs, starts = rank_ones(Q, ffn, d, rng, tol=tol)
+                break
+            except NotIdentifiable:
+                if k == 2:
+                    raise
     gam = gamma_direction(Q, d, gap=1e3 if precision <= 1e-15 else 30.0)
     P = np.eye(d) - 1.0 / d
     basis = np.stack([(P @ np.diag(gam) @ P).ravel()] + [np.outer(u, v).ravel() for u, v in pairs], axis=1)

@@ -53,7 +53,6 @@ LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson re
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
 COARSE = 1e-12           # answers coarser than this (float32): head count and rank test from the measured noise
-GAP = 10                 # coarse answers: a read's H-th singular value must stand this far above its noise
 
 
 @dataclass(frozen=True)
@@ -405,15 +404,14 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
             f"nominal precision {expected:.2g} (another head count, or scores of another form?)",
             check="head rank", figure=worst, threshold=RANK_TOLERANCE * expected)
 
-    # coarse answers: the H-th singular value against the reads' measured noise (the (H+1)-th, the fit's
-    # residual), which is far above the nominal one (measured at float32, d = 16: 8.5e-4 against 1.5e-5)
-    floor = GAP * worst if coarse else RANK_TOLERANCE * expected
-    if weakest <= floor:
+    # coarse answers: the heads are only the block refit's start, and the reads' measured noise (up to 1e-2
+    # at float32, d = 16) can reach a weak head's H-th singular value (0.032 on a correct block, seed 7005):
+    # the model check after the refit judges the head count there, not this test
+    if weakest <= RANK_TOLERANCE * expected and not coarse:
         raise ModelMismatch(
             f"a second-order read has rank below H = {H} (its H-th singular value is {weakest:.3g} of the first, within "
-            + (f"{GAP:g} x the reads' measured noise {worst:.2g}" if coarse else
-               f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}")
-            + f"): fewer than {H} heads act in this block", check="head rank", figure=weakest, threshold=floor)
+            f"{RANK_TOLERANCE:g} x the reads' nominal precision {expected:.2g}): fewer than {H} heads act in this block",
+            check="head rank", figure=weakest, threshold=RANK_TOLERANCE * expected)
     O, W, c, sep = separate(F, dirs, E, vs, H, rng, coarse=coarse)
     info = {"heads_detected": heads is None, "queries": int(oracle.queries - q0), "points": Pn, "reads": len(dirs),
             "step": t, "stencil_step": h, "expected": float(expected), "read_fit_residual": fit_res,
