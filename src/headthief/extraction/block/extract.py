@@ -340,9 +340,11 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 
 
 def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed) -> ModelCheck:
-    # coarse answers: the heads' precision is the block refit's largest in-sample error, not stage A's residual
-    heads = res.diagnostics.get("block_refit_insample", res.diagnostics["heads_residual"])
-    parts = max(float(res.diagnostics["one_token_fidelity"]), float(heads), 30.0 * eps, 1e-13)
+    # coarse answers: stage A's residual is that of a start the block refit replaced; the parts' precision is
+    # then the refitted one-token map's fidelity on fresh queries and the answers' own (never the refit's own
+    # residual, which a block of the wrong head count would inflate along with the threshold)
+    heads = 0.0 if "block_refit_insample" in res.diagnostics else float(res.diagnostics["heads_residual"])
+    parts = max(float(res.diagnostics["one_token_fidelity"]), heads, 30.0 * eps, 1e-13)
 
     def judge(f):
         threshold = CHECK_FACTOR * max(insample, parts)
