@@ -403,7 +403,8 @@ METHODS["block"] = Method(
     _run_block, _expected_block,
     "ours: a whole post-LN BERT block (attention, LN1, GELU FFN, LN2) from vector answers at every position: "
     "LN2 from the answers' ellipsoid, B = I + sum_h O_h V_h from Jacobians, LN1 and every neuron from Jacobians "
-    "on LN1's sphere, every head from second-order reads at equal tokens (--heads H|auto, --ffn M)")
+    "on LN1's sphere, every head from second-order reads at equal tokens; with float32 answers that algebra is the "
+    "start of least-squares refits to answers of random tokens and sequences (--heads H|auto, --ffn M)")
 
 
 def _run_rope(oracle, target, args, progress, clean=None):

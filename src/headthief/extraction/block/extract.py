@@ -8,6 +8,11 @@ The stages, in order (each module's docstring has the mathematics):
 4. **F** (:mod:`.ffn`): LN1 and every GELU neuron, then the one-token model check;
 5. **A** (:mod:`.heads`): every head's ``O_h``, ``W_h``, ``c_h`` from second-order reads at equal tokens.
 
+With coarse (float32) answers the finite differences leave the parts at 1e-4..1e-3, so the algebra is a
+start: after stage F the one-token map is refitted to answers of random tokens (:mod:`.one_token_refit`),
+stage A pulls back through that refitted map, and the assembled block is refitted whole to answers of
+random sequences (**R**, :mod:`.block_refit`); the parts are then read back from it (:func:`parts_of`).
+
 The parts are assembled into a :class:`~headthief.models.bert_block.BertBlock` (a canonical representative:
 ``beta_1 = 0`` with ``beta_1 + b_2`` and ``W_1 beta_1 + b_1`` carried by b_2, b_1; the global scale of LN2's
 input fixed by ``|gamma_1| = sqrt(d)``; ``K_h = sqrt(d_h) A_h^T``, ``Q_h = B_h^T`` for ``W_h = A_h B_h^T``;

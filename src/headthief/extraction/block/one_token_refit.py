@@ -7,10 +7,10 @@ are good to the stencil's error (``eps^0.8 sqrt(d)``, ~7e-6 at d = 16) only, and
 neurons and the profile fits built on them carry ~1e-3 (measured: one-token fidelity 2.2e-3 at d = 16).
 
 The answers themselves are good to float32's rounding (~6e-8 relative). So this stage takes the algebraic
-parts as a start and minimises ``sum |y(x) - y_answer|^2`` over every one-token answer stages V and F paid
-for (their stencils: tens of thousands of answers), in all the parameters at once (``B, b``, LN1's gamma,
-the neurons, ``c``, LN2's gamma and beta), by L-BFGS with the exact gradient (written out below, checked
-against finite differences in the tests). No query is sent. The fit is local: it needs the algebraic start
+parts as a start and minimises ``sum |y(x) - y_answer|^2`` over one-token answers to random tokens
+(:func:`refit_from_oracle` sends them: :func:`random_queries`), in all the parameters at once (``B, b``,
+LN1's gamma, the neurons, ``c``, LN2's gamma and beta), by L-BFGS with the exact gradient (written out
+below, checked against finite differences in the tests). The fit is local: it needs the algebraic start
 (a fit from random weights stalls: docs/block.md), and it says so per part (``info["fitted"]``).
 
 Gauges the fit cannot see and which are fixed afterwards: LN1 ignores the scale and the ones-component of
