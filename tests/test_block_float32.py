@@ -79,7 +79,9 @@ def test_refits_bring_a_perturbed_start_to_the_answers_precision():
     Xs = rng.standard_normal((2000, 1, d)) * rng.uniform(0.5, 1.5, (2000, 1, 1))
     Ys, rounding = _float32_rounding(block32, Xs)
     # a start: the truth's parts in canonical form, each number off by ~1e-3 relative
-    noisy = lambda a: np.asarray(a) * (1 + 1e-3 * rng.standard_normal(np.shape(a)))
+    def noisy(a):
+        return np.asarray(a) * (1 + 1e-3 * rng.standard_normal(np.shape(a)))
+
     start = dataclasses.replace(truth, W1=noisy(truth.W1), W2=noisy(truth.W2), ln1_gamma=noisy(truth.ln1_gamma),
                                 attention=dataclasses.replace(truth.attention, Q=noisy(truth.attention.Q),
                                                               K=noisy(truth.attention.K), V=noisy(truth.attention.V),
@@ -95,7 +97,8 @@ def test_refits_bring_a_perturbed_start_to_the_answers_precision():
     g1 = start.ln1_gamma
     s = np.linalg.norm(g1) / np.sqrt(d)
     part = FFNPart(gamma=g1 / s, c=P @ start.b2 / s, W1m=(start.W1 * g1) @ P, b1m=start.b1.copy(), W2=start.W2 / s)
-    fid = lambda pt, l, v: float(np.max(np.abs(predict_one_token(pt, l, v, Xs[:, 0]) - Ys[:, 0])) / np.sqrt(np.mean(Ys ** 2)))
+    def fid(pt, l, v):
+        return float(np.max(np.abs(predict_one_token(pt, l, v, Xs[:, 0]) - Ys[:, 0])) / np.sqrt(np.mean(Ys ** 2)))
     before = fid(part, ln, vs)
     part2, ln2, vs2, info = one_token_refit.refit_one_token(part, ln, vs, Xs[:, 0], Ys[:, 0], max_iter=3000)
     assert info["refit_rms_after"] <= 10 * rounding < info["refit_rms_before"]

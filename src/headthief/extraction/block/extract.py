@@ -141,7 +141,8 @@ def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads)
     refitted: ``(ln, vs, ffn, att)``, each the given part with its numbers replaced (``info`` kept)."""
     d = block.d
     P = np.eye(d) - 1.0 / d
-    new_ln = dataclasses.replace(ln, gamma=np.array(block.ln2_gamma, np.float64), beta=np.array(block.ln2_beta, np.float64))
+    new_ln = dataclasses.replace(ln, gamma=np.array(block.ln2_gamma, np.float64),
+                                 beta=np.array(block.ln2_beta, np.float64))
     B, b = block.value_output_sum()
     Binv = np.linalg.inv(B)
     c1 = Binv @ np.ones(d)
