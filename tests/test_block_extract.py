@@ -110,12 +110,15 @@ def test_relu_where_gelu_is_assumed_ends_in_exit_5():
     assert rep.exit_code == 5 and rep.row["model_check"]["check"] == "activation"
 
 
-def test_two_blocks_as_one_end_in_exit_5(tmp_path):
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_two_blocks_as_one_end_in_exit_5(tmp_path, dtype):
+    """float32 too: the refits that follow the algebra there never get to fit a wrong model class."""
     f = tmp_path / "stack.py"
     f.write_text(
         "import numpy as np\n"
         "from headthief.models.bert_block import random_block\n"
-        "A, B = random_block(16, 4, 32, seed=38), random_block(16, 4, 32, seed=39)\n"
+        f"A = random_block(16, 4, 32, seed=38, dtype=np.{dtype})\n"
+        f"B = random_block(16, 4, 32, seed=39, dtype=np.{dtype})\n"
         "def f(seqs):\n"
         "    return [B.forward(A.forward(np.asarray(x)[None]))[0] for x in seqs]\n")
     rep = ht.extract(f"py:{f}:f", "block", d=16, output="all", ffn=32, raise_errors=False)

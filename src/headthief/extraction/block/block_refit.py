@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import minimize_in_chunks, normalize, normalize_back
+from .lbfgs import minimize_in_chunks, normalize, normalize_back, pack, unpack
 
 MAX_ITER = 20000
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
@@ -31,19 +31,6 @@ def params_of(block) -> dict:
     return {"Q": a.Q, "K": a.K, "bq": a.bq, "V": a.V, "Wo": a.Wo, "bo": a.bo, "g1": block.ln1_gamma,
             "W1": block.W1, "b1": block.b1, "W2": block.W2, "b2": block.b2, "g2": block.ln2_gamma,
             "be2": block.ln2_beta}
-
-
-def _pack(p: dict) -> np.ndarray:
-    return np.concatenate([np.asarray(p[k], dtype=np.float64).ravel() for k in NAMES])
-
-
-def _unpack(theta: np.ndarray, shapes: dict) -> dict:
-    out, i = {}, 0
-    for k in NAMES:
-        n = int(np.prod(shapes[k]))
-        out[k] = theta[i:i + n].reshape(shapes[k])
-        i += n
-    return out
 
 
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
@@ -98,10 +85,10 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
 
 def loss_and_grad(theta: np.ndarray, shapes: dict, groups) -> tuple[float, np.ndarray]:
     """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient."""
-    p = _unpack(theta, shapes)
+    p = unpack(theta, shapes)
     grads = {k: np.zeros(shapes[k]) for k in NAMES}
     L = sum(_group_loss(p, X, Y, grads) for X, Y in groups)
-    return L, _pack(grads)
+    return L, pack(grads, shapes)
 
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
@@ -111,7 +98,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     start = params_of(block)
     shapes = {k: np.shape(start[k]) for k in NAMES}
-    theta = _pack(start)
+    theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
     L0, _ = loss_and_grad(theta, shapes, groups)
@@ -130,7 +117,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the block refit did not improve on the assembled block (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    p = _unpack(theta, shapes)
+    p = unpack(theta, shapes)
     att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
                               V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
     new = dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),

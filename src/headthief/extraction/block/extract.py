@@ -42,16 +42,14 @@ from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
-from .block_refit import params_of as refit_params
 from .block_refit import refit_block
 from .one_token_refit import model_jacobian, refit_from_oracle
 from .smoothness import check_smooth_activation
-from .value_sum import ValueSum, centre, value_sum
+from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
 SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
 CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
-COARSE = 1e-12         # answers coarser than this (float32: 6e-8) take the refits (one_token_refit)
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,12 +141,7 @@ def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads)
     P = np.eye(d) - 1.0 / d
     new_ln = dataclasses.replace(ln, gamma=np.array(block.ln2_gamma, np.float64),
                                  beta=np.array(block.ln2_beta, np.float64))
-    B, b = block.value_output_sum()
-    Binv = np.linalg.inv(B)
-    c1 = Binv @ np.ones(d)
-    c1 /= np.linalg.norm(c1)
-    c0 = Binv @ b
-    new_vs = dataclasses.replace(vs, B=centre(B), b=centre(b), Binv=Binv, c0=c0 - c1 * (c1 @ c0), c1=c1)
+    new_vs = with_map(vs, *block.value_output_sum())
     g1 = np.asarray(block.ln1_gamma, np.float64)
     s = float(np.linalg.norm(g1) / np.sqrt(d)) * (1.0 if g1.sum() > 0 else -1.0)
     W1 = np.asarray(block.W1, np.float64)
@@ -221,8 +214,10 @@ def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> n
 REFIT_LENGTHS = (2, 4, 8, 16)
 
 
-def _refit_counts(d: int, params: int) -> list[int]:
-    """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each."""
+def _refit_counts(d: int, ffn: int) -> list[int]:
+    """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each, with
+    ``params`` the block refit's parameter count (:func:`.block_refit.params_of`; H d_h = d)."""
+    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
     per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
     return [-(-per // T) for T in REFIT_LENGTHS]
 
@@ -232,9 +227,8 @@ def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, blo
     sequences for a quarter of ``max(4000, 8 x parameters / d)`` answered positions; tokens of norm
     ``scale``. Returns ``[(X (N, T, d), Y (N, T, d)), ...]``."""
     d = oracle.d
-    params = sum(int(np.size(v)) for v in refit_params(block).values())
     out = []
-    for T, n in zip(REFIT_LENGTHS, _refit_counts(d, params)):
+    for T, n in zip(REFIT_LENGTHS, _refit_counts(d, block.ffn)):
         X = rng.standard_normal((n, T, d))
         X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
@@ -252,9 +246,8 @@ def expected_queries(d: int, ffn: int, float32: bool = False) -> int:
     base = _ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + (4 * (d - 2) + 1) * T + 64 + 256
     if not float32:
         return base + stage_a_queries(d)
-    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn           # the block refit's parameters (H d_h = d)
     return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
-            + sum(_refit_counts(d, params)))
+            + sum(_refit_counts(d, ffn)))
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
@@ -315,7 +308,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     block = assemble(ln, vs, part, att)
     if coarse:
         q0 = oracle.queries
-        groups = [(X[:, None, :], Y[:, None, :]) for X, Y in [ones]] + _refit_sequences(oracle, rng, scale, block)
+        groups = [(ones[0][:, None, :], ones[1][:, None, :])] + _refit_sequences(oracle, rng, scale, block)
         block, brefit = refit_block(block, groups)
         refit.update(brefit)
         ln, vs, part, att = parts_of(block, ln, vs, part, att)

@@ -35,7 +35,7 @@ import numpy as np
 from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm
-from .value_sum import ValueSum, stencil_derivative, stencil_tokens
+from .value_sum import COARSE, ValueSum, stencil_derivative, stencil_tokens
 
 
 @dataclass(frozen=True)
@@ -270,13 +270,13 @@ def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8) -> tuple[floa
 
 def tolerances(precision: float, d: int) -> tuple[float, float]:
     """The span iteration's stopping tolerance and the rank-one test's, from the answers' precision. float64
-    answers (a floor of 1e-15, the validated setting): 1e-13 and 1e-6. Coarser answers (float32): the
+    answers (precision <= COARSE; validated at a floor of 1e-15): 1e-13 and 1e-6. Coarser answers (float32): the
     Jacobians are good to the stencil's error ``eps^0.8 sqrt(d)`` only, and the span is blurred by it and by
     stage V's B: the iteration stops at 30x that error, and a rank-one element may keep a second singular
     value up to 1e3x it (measured at float32, d = 16: ~1e-3 of the first). Those parts are a start only:
     the one-token refit (:mod:`.one_token_refit`) fits them to the answers."""
     expected = max(float(precision), 1e-16) ** 0.8 * np.sqrt(d)
-    if precision <= 1e-15:
+    if precision <= COARSE:
         return 1e-13, 1e-6
     return 30 * expected, min(1e3 * expected, 0.1)
 
@@ -290,9 +290,10 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
     J, ms, ns, q = jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision)
     span_tol, rank_tol = tolerances(precision, d)
+    coarse = precision > COARSE
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
-                                    best_on_stall=precision > 1e-15)
-    if precision <= 1e-15:
+                                    best_on_stall=coarse)
+    if not coarse:
         pairs, starts = rank_ones(Q, ffn, d, rng, tol=rank_tol)
     else:                  # a blurred span: a neuron the search misses is retried at 3x and 10x the tolerance
         for k, tol in enumerate(min(f * rank_tol, 0.3) for f in (1, 3, 10)):
@@ -302,7 +303,7 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
             except NotIdentifiable:
                 if k == 2:
                     raise
-    gam = gamma_direction(Q, d, gap=1e3 if precision <= 1e-15 else 30.0)
+    gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
     P = np.eye(d) - 1.0 / d
     basis = np.stack([(P @ np.diag(gam) @ P).ravel()] + [np.outer(u, v).ravel() for u, v in pairs], axis=1)
     coef, *_ = np.linalg.lstsq(basis, lifted.T, rcond=None)           # (ffn + 1, T)

@@ -47,12 +47,11 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
-from .value_sum import ValueSum, one_token_jacobian
+from .value_sum import COARSE, ValueSum, one_token_jacobian
 
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
-COARSE = 1e-12           # answers coarser than this (float32): head count and rank test from the measured noise
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What the block's two refits share: LayerNorm's normalisation with its exact backward pass, and L-BFGS
-run in chunks until a chunk stops paying."""
+"""What the block's two refits share: LayerNorm's normalisation with its exact backward pass, packing named
+parameters into one vector, and L-BFGS run in chunks until a chunk stops paying."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ def normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
     return dvc - dvc.mean(axis=-1, keepdims=True)
 
 
+def pack(params: dict, shapes: dict) -> np.ndarray:
+    """The parameters named in ``shapes`` (in its order) as one float64 vector."""
+    return np.concatenate([np.asarray(params[k], dtype=np.float64).ravel() for k in shapes])
+
+
+def unpack(theta: np.ndarray, shapes: dict) -> dict:
+    """:func:`pack`'s inverse: views of ``theta`` shaped as ``shapes`` (name -> shape, in packing order)."""
+    out, i = {}, 0
+    for k, shape in shapes.items():
+        n = int(np.prod(shape))
+        out[k] = theta[i:i + n].reshape(shape)
+        i += n
+    return out
+
+
 def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one gains less than 10% rms or ``max_iter`` iterations are spent: ``(theta, loss,
@@ -42,4 +57,4 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int) -> tup
     return theta, L1, iters, message
 
 
-__all__ = ["minimize_in_chunks", "normalize", "normalize_back"]
+__all__ = ["minimize_in_chunks", "normalize", "normalize_back", "pack", "unpack"]

@@ -27,34 +27,22 @@ import numpy as np
 from ...errors import ConvergenceError
 from .ffn import FFNPart
 from .layernorm import OutputLayerNorm
-from .lbfgs import minimize_in_chunks, normalize, normalize_back
-from .value_sum import ValueSum, centre
+from .lbfgs import minimize_in_chunks, normalize, normalize_back, pack, unpack
+from .value_sum import ValueSum, centre, with_map
 
 MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
 
 
-def _shapes(d: int, f: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [("B", (d, d)), ("b", (d,)), ("gam", (d,)), ("c", (d,)), ("W1", (f, d)), ("b1", (f,)),
-            ("W2", (d, f)), ("g2", (d,)), ("be2", (d,))]
-
-
-def _pack(p: dict) -> np.ndarray:
-    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in p.values()])
-
-
-def _unpack(theta: np.ndarray, d: int, f: int) -> dict:
-    out, i = {}, 0
-    for name, shp in _shapes(d, f):
-        k = int(np.prod(shp))
-        out[name] = theta[i:i + k].reshape(shp)
-        i += k
-    return out
+def shapes(d: int, f: int) -> dict[str, tuple[int, ...]]:
+    """The refitted parameters (name -> shape, in packing order) for width d and f neurons."""
+    return {"B": (d, d), "b": (d,), "gam": (d,), "c": (d,), "W1": (f, d), "b1": (f,), "W2": (d, f), "g2": (d,),
+            "be2": (d,)}
 
 
 def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: int) -> tuple[float, np.ndarray]:
     """``0.5 sum |y(x) - Y|^2`` over the one-token answers and its gradient in the packed parameters."""
     from scipy.special import erf
-    p = _unpack(theta, d, f)
+    p = unpack(theta, shapes(d, f))
     m, r1 = normalize(X @ p["B"].T + p["b"])
     s = m @ p["W1"].T + p["b1"]
     Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
@@ -70,7 +58,7 @@ def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: in
     grads = {"B": dpre.T @ X, "b": dpre.sum(axis=0), "gam": (du * m).sum(axis=0), "c": du.sum(axis=0),
              "W1": ds.T @ m, "b1": ds.sum(axis=0), "W2": du.T @ g, "g2": (res * n).sum(axis=0),
              "be2": res.sum(axis=0)}
-    return L, _pack({k: grads[k] for k, _ in _shapes(d, f)})
+    return L, pack(grads, shapes(d, f))
 
 
 def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray, Y: np.ndarray, *,
@@ -85,7 +73,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     Bfull = np.linalg.inv(vs.Binv)                     # full-rank B (its ones-component is LN1's to ignore)
     start = {"B": Bfull, "b": Bfull @ vs.c0, "gam": part.gamma, "c": part.c, "W1": part.W1m, "b1": part.b1m,
              "W2": part.W2, "g2": ln.gamma, "be2": ln.beta}
-    theta0 = _pack(start)
+    theta0 = pack(start, shapes(d, f))
     rms = float(np.sqrt(np.mean(Y * Y)))
     L0, _ = loss_and_grad(theta0, X, Y, d, f)
     calls = [0]
@@ -103,7 +91,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the one-token refit did not improve on the algebraic start (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    p = _unpack(theta, d, f)
+    p = unpack(theta, shapes(d, f))
     # gauges: B, b to stage V's scale (LN1 ignores it), centred; u's scale to |gamma| = sqrt(d)
     k = float(np.sum(centre(p["B"]) * vs.B) / np.sum(centre(p["B"]) ** 2))
     Bn, bn = k * p["B"], k * p["b"]
@@ -112,12 +100,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     new_part = FFNPart(gamma=p["gam"] / s, c=P @ (p["c"] / s), W1m=p["W1"] @ P, b1m=p["b1"].copy(), W2=p["W2"] / s,
                        info={**part.info, "refit": True,
                              "fitted": list(part.info.get("fitted", [])) + ["every one-token part (L-BFGS refit)"]})
-    Binv = np.linalg.inv(Bn)
-    c1 = Binv @ np.ones(d)
-    c1 = c1 / np.linalg.norm(c1)
-    c0 = Binv @ bn
-    c0 = c0 - c1 * (c1 @ c0)
-    new_vs = dataclasses.replace(vs, B=centre(Bn), b=centre(bn), Binv=Binv, c0=c0, c1=c1)
+    new_vs = with_map(vs, Bn, bn)
     new_ln = dataclasses.replace(ln, gamma=p["g2"].copy(), beta=p["be2"].copy())
     info = {"refit_rms_before": before, "refit_rms_after": after, "refit_iterations": iters,
             "refit_answers": int(len(X)), "refit_message": message}

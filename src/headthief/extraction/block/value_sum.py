@@ -39,6 +39,8 @@ STENCIL = (-2, -1, 1, 2)
 WEIGHTS = np.array([1.0, -8.0, 8.0, -1.0]) / 12.0
 RANK_MARGIN = 30      # the smallest of J_Psi's d - 2 singular values must stand this far above the stencil's error
 CONSISTENCY = 1e3      # the union's residual may exceed the stencil's expected error by this before it is a mismatch
+COARSE = 1e-12         # answers coarser than this (float32: 6e-8) are "coarse": the block method's algebra is
+                       # then a start, refitted to answers (one_token_refit, block_refit); float64 is finer
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,17 @@ class ValueSum:
     expected: float        # the stencil's expected relative error at this step and precision
     step: float
     queries: int
+
+
+def with_map(vs: "ValueSum", B: np.ndarray, b: np.ndarray) -> "ValueSum":
+    """``vs`` with a full-rank value-output map ``B`` and bias ``b`` put in (each with what follows from
+    them: ``Binv``, ``c1`` the unit ``B^{-1} 1``, ``c0 = B^{-1} b`` off c1; ``B, b`` stored centred)."""
+    import dataclasses
+    Binv = np.linalg.inv(B)
+    c1 = Binv @ np.ones(B.shape[0])
+    c1 = c1 / np.linalg.norm(c1)
+    c0 = Binv @ b
+    return dataclasses.replace(vs, B=centre(B), b=centre(b), Binv=Binv, c0=c0 - c1 * (c1 @ c0), c1=c1)
 
 
 def centre(A: np.ndarray) -> np.ndarray:
