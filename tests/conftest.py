@@ -12,3 +12,29 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# The suite runs on every core (pytest-xdist, ``-n auto --dist loadfile`` in pyproject.toml: a file's tests
+# run on one worker, so a module-scoped fixture is computed once; xdist's ``loadgroup`` does not group
+# under pytest 9.2, measured). Each worker keeps BLAS to one thread, so two workers on CI's two cores do not fight over them (subprocesses inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 8 (each worker may load torch and transformers)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8))
+
+
+# The files that take longest (measured: `pytest --durations`), first: xdist hands whole files to workers
+# in collection order, and a long file started last would leave one worker running it alone.
+_LONGEST_FIRST = ("test_reproduce.py", "test_block_float32.py", "test_block_extract.py", "test_rope_method.py",
+                  "test_block_method.py", "test_server_client.py", "test_multihead_real.py", "test_server_crash.py",
+                  "test_server_fuzz.py", "test_server_cli.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: order within a file kept

@@ -77,8 +77,9 @@ def test_a_bad_key_is_bad_input(d64):
     s, work = d64
     r, _ = extract(s.url, work / "x.npz", "--api-key", "ht_wrong", check=False)
     assert r.returncode == 2 and "refused the API key (401" in r.stderr
-    r, _ = extract("http://127.0.0.1:1", work / "x.npz", check=False)          # nobody listens there
-    assert r.returncode == 2 and "no answer from http://127.0.0.1:1" in r.stderr
+    r, _ = extract("http://127.0.0.1:1", work / "x.npz", check=False,          # nobody listens there
+                   env={"HEADTHIEF_CONNECT_WAIT": "2"})                         # (30 s by default)
+    assert r.returncode == 2 and "no answer from http://127.0.0.1:1" in r.stderr and "in 2 s" in r.stderr
 
 
 @pytest.mark.parametrize("method, extra", [("lowrank", []), ("noisy", ["--noise", "1e-6"]), ("membership", [])])
