@@ -4,6 +4,7 @@
     python benchmarks/bench_block.py                       # bert-block:d=32,heads=4,ffn=128, seeds 1..10
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 900 920
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 7000 7020 --dtype float32
+    python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 8000 8020 --stage-f probes
 
 Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
 the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--within", type=float, default=None,
                     help="a seed counts as recovered when every part and the fidelity are within this "
                          "(default 1e-8 for float64 answers, 1e-4 for float32: the MiniLM line's level)")
+    ap.add_argument("--stage-f", dest="stage_f", default="auto", choices=("auto", "full", "probes"),
+                    help="stage F's route (headthief extract --stage-f)")
     args = ap.parse_args()
     within = args.within if args.within is not None else (1e-8 if args.dtype == "float64" else 1e-4)
     print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit")
@@ -40,7 +43,7 @@ def main() -> None:
         spec = f"bert-block:d={args.d},heads={args.heads},ffn={args.ffn},seed={seed}" + (
             f",dtype={args.dtype}" if args.dtype != "float64" else "")
         t = time.perf_counter()
-        rep = ht.extract(spec, "block", raise_errors=False)
+        rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f)
         r = rep.row
         errs = [r.get(k) for k in PARTS]
         fid = r.get("fidelity_max_rel_err")

@@ -67,9 +67,10 @@ def run(block, seed: int) -> dict:
     return row
 
 
-def run_f(d: int, ffn: int, seed: int) -> dict:
-    """Stages L, V, F and the one-token check on random_block(d, 2, ffn, seed) (float64)."""
-    from headthief.extraction.block import check_one_token, extract_ffn
+def run_f(d: int, ffn: int, seed: int, route: str = "full") -> dict:
+    """Stages L, V, F (``route``: full or probes) and the one-token check on random_block(d, 2, ffn, seed)
+    (float64)."""
+    from headthief.extraction.block import check_one_token, extract_ffn, extract_ffn_probes
     block = random_block(d, 2, ffn, seed=seed)
     oracle = ModelOracle(block)
     rng = np.random.default_rng(seed)
@@ -78,7 +79,7 @@ def run_f(d: int, ffn: int, seed: int) -> dict:
     try:
         ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
         vs = value_sum(oracle, rng, precision=1e-15)
-        part = extract_ffn(oracle, ln, vs, rng, ffn=ffn)
+        part = (extract_ffn if route == "full" else extract_ffn_probes)(oracle, ln, vs, rng, ffn=ffn)
         P = np.eye(d) - 1.0 / d
         s = float(np.mean(part.gamma / block.ln1_gamma))
         W1m = block.W1 @ np.diag(block.ln1_gamma) @ P
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--float32", action="store_true", help="5 random float32 blocks")
     ap.add_argument("--minilm", action="store_true", help="MiniLM block 2, float32 and float64")
     ap.add_argument("--stage-f", nargs=2, type=int, metavar=("D", "FFN"), help="stages L, V, F on random blocks")
+    ap.add_argument("--route", default="full", choices=("full", "probes"), help="stage F's route (--stage-f)")
     ap.add_argument("--seeds", nargs=2, type=int, default=[500, 520], metavar=("FIRST", "STOP"))
     args = ap.parse_args()
     if args.stage_f:
@@ -111,7 +113,7 @@ def main() -> None:
         print("    d   ffn  seed    gamma1    neuron  span its  starts  1-token fid  queries     sec")
         ok = 0
         for seed in range(*args.seeds):
-            r = run_f(d, ffn, seed)
+            r = run_f(d, ffn, seed, args.route)
             if "error" in r:
                 print(f"{d:5d} {ffn:5d} {seed:5d}  {r['error']}")
                 continue

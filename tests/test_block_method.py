@@ -218,15 +218,21 @@ def _stages_lv(block, seed):
     return oracle, ln, value_sum(oracle, rng, precision=1e-15)
 
 
-@pytest.mark.parametrize("seed", [61, 62])
-def test_stage_f_recovers_ln1_and_every_neuron(seed):
-    from headthief.extraction.block import check_one_token, extract_ffn
+@pytest.mark.parametrize("seed, route", [(61, "full"), (62, "full"), (61, "probes"), (63, "probes")])
+def test_stage_f_recovers_ln1_and_every_neuron(seed, route):
+    """Both routes of stage F: full tangent Jacobians, and probe Jacobians (p probes at 5 (ffn + 1) points,
+    then every other direction at S points inside the probes' span: ffn_probes.py)."""
+    from headthief.extraction.block import check_one_token, extract_ffn, extract_ffn_probes
+    from headthief.extraction.block.ffn_probes import inside_count, probe_count
     d, ffn = 12, 24
     block = random_block(d, 2, ffn, seed=seed)
     oracle, ln, vs = _stages_lv(block, seed)
     before = oracle.queries
-    part = extract_ffn(oracle, ln, vs, np.random.default_rng(seed), ffn=ffn)
-    assert oracle.queries - before == part.info["queries"] == 125 * (4 * (d - 2) + 1)  # 5 (ffn + 1) points
+    part = (extract_ffn if route == "full" else extract_ffn_probes)(oracle, ln, vs, np.random.default_rng(seed),
+                                                                     ffn=ffn)
+    p, S = probe_count(d, ffn), inside_count(d, ffn)
+    expected = 125 * (4 * (d - 2) + 1) if route == "full" else 125 * (4 * p + 1) + 4 * S * (d - 1 - p)
+    assert oracle.queries - before == part.info["queries"] == expected             # 5 (ffn + 1) points
     P = np.eye(d) - 1.0 / d
     s = float(np.mean(part.gamma / block.ln1_gamma))                      # the block's global scale
     assert np.max(np.abs(part.gamma - s * block.ln1_gamma)) <= 1e-9 * np.sqrt(d)
@@ -249,6 +255,22 @@ def test_stage_f_with_the_wrong_width_is_refused():
     oracle, ln, vs = _stages_lv(block, 63)
     with pytest.raises((NotIdentifiable, ConvergenceError)):
         extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=20)
+
+
+def test_stage_f_from_probes_with_the_wrong_width_is_refused():
+    from headthief.errors import ConvergenceError
+    from headthief.extraction.block import extract_ffn_probes
+    block = random_block(12, 2, 24, seed=63)
+    oracle, ln, vs = _stages_lv(block, 63)
+    with pytest.raises((NotIdentifiable, ConvergenceError)):
+        extract_ffn_probes(oracle, ln, vs, np.random.default_rng(1), ffn=20)
+
+
+def test_the_probe_route_is_chosen_where_it_saves_three_quarters():
+    from headthief.extraction.block.ffn_probes import full_queries, probe_queries, use_probes
+    assert not use_probes(16, 32) and not use_probes(32, 128)          # the validated full route stays
+    assert use_probes(64, 256) and use_probes(384, 1536)
+    assert 4 * probe_queries(384, 1536) <= full_queries(384, 1536) == 11_750_365
 
 
 def test_stage_f_under_an_input_norm_bound():

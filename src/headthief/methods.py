@@ -389,14 +389,14 @@ def _run_block(oracle, target, args, progress, clean=None):
     if ffn is None:
         raise SpecError(f"--method block needs the FFN's width: give --ffn M ({target.spec} does not publish it)")
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
-                         progress=progress)
+                         progress=progress, stage_f=getattr(args, "stage_f", "auto"))
 
 
 def _expected_block(target, args):
     from .extraction.block.extract import expected_queries
     _, ffn = _block_sizes(target, args)
     f32 = str(((target.info or {}) if target is not None else {}).get("dtype", "float64")) == "float32"
-    return expected_queries(target.d, ffn, f32) if ffn else None
+    return expected_queries(target.d, ffn, f32, stage_f=getattr(args, "stage_f", "auto")) if ffn else None
 
 
 METHODS["block"] = Method(

@@ -82,6 +82,7 @@ class Options:
     scales: str = "adaptive"
     heads: str = "auto"
     ffn: int | None = None
+    stage_f: str = "auto"
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -125,7 +126,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "oversample": {"lowrank"},
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope"},
-    "ffn": {"block"},
+    "ffn": {"block"}, "stage_f": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -266,6 +267,8 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--max-len must be >= 4 (--method rope reads two offsets at least), got {opts.max_len}")
     if opts.verify_len < 1:
         raise SpecError(f"--verify-len must be >= 1, got {opts.verify_len}")
+    if opts.stage_f not in ("auto", "full", "probes"):
+        raise SpecError(f"--stage-f must be auto, full or probes, got {opts.stage_f!r}")
     if opts.save:
         check_output_path(saved_path(opts.save), "--save")
     if opts.journal:
@@ -596,6 +599,8 @@ def fingerprint(opts: Options) -> dict:
     for k in ("output", "d_out"):           # only when given: journals written before they existed still resume
         if getattr(opts, k) is not None:
             fp[k] = getattr(opts, k)
+    if opts.stage_f != "auto":              # likewise
+        fp["stage_f"] = opts.stage_f
     # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
     # every position's answer a declaration is either what stage A detects or refused there)
     return fp

@@ -8,23 +8,28 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
 * :mod:`.smoothness`: the activation check (GELU is smooth; a ReLU's kinks are a ModelMismatch);
 * :mod:`.ffn` (stage F): LN1 and the GELU FFN (every neuron) from the span of finite-difference
   Jacobians on LN1's sphere, once stages L and V make LN1's output choosable; checked on fresh one-token queries;
+* :mod:`.ffn_probes` (stage F, large d): the same from Jacobians along a few probe directions and, at points
+  inside the probes' span, every other direction (a quarter of the queries or fewer from d = 64);
 * :mod:`.heads` (stage A): every head's ``P O_h``, ``W_h``, ``c_h`` from second-order reads at equal tokens;
+* :mod:`.one_token_refit`, :mod:`.block_refit` (coarse answers, float32): the algebra's parts refitted by
+  L-BFGS to answers of random tokens and sequences;
 * :mod:`.extract`: ``--method block``, the stages in order, the assembled block and its model check;
 * :mod:`.embeddings` (the encoder's stage E): LN_emb and the position offsets from ``hidden_states[0]``,
   and inputs_embeds that put any wanted point of LN_emb's image into block 0.
 
-Not built: ``--method encoder`` (the inversion of extracted blocks), float32 answers for stages V, F, A.
-See ``docs/block.md``.
+Not built: ``--method encoder`` (the inversion of extracted blocks); stage V refuses MiniLM's float32
+one-token Jacobian, and stage A's reads and both refits have not been scaled to d = 384. See ``docs/block.md``.
 """
 
 from .embeddings import Embeddings, embedding_stage
 from .extract import BlockExtraction, extract_block
 from .heads import Heads, extract_heads
 from .ffn import FFNPart, check_one_token, extract_ffn, predict_one_token
+from .ffn_probes import extract_ffn_probes
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .smoothness import Smoothness, check_smooth_activation
 from .value_sum import ValueSum, centre, value_sum
 
-__all__ = ["BlockExtraction", "Embeddings", "Heads", "extract_block", "extract_heads", "FFNPart", "OutputLayerNorm", "check_one_token", "embedding_stage", "extract_ffn",
+__all__ = ["BlockExtraction", "Embeddings", "Heads", "extract_block", "extract_heads", "FFNPart", "OutputLayerNorm", "check_one_token", "embedding_stage", "extract_ffn", "extract_ffn_probes",
            "predict_one_token", "Smoothness", "ValueSum", "centre", "check_smooth_activation", "fit_output_layernorm",
            "value_sum"]

@@ -40,6 +40,7 @@ from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
+from .ffn_probes import extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .block_refit import refit_block
@@ -235,15 +236,21 @@ def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, blo
     return out
 
 
-def expected_queries(d: int, ffn: int, float32: bool = False) -> int:
+def _probes(d: int, ffn: int, stage_f: str) -> bool:
+    if stage_f not in ("auto", "full", "probes"):
+        raise SpecError(f"stage_f must be auto, full or probes, got {stage_f!r}")
+    return stage_f == "probes" or (stage_f == "auto" and use_probes(d, ffn))
+
+
+def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "auto") -> int:
     """The planned query count (answers at every position) for the progress bar: stage L, the activation
     check, stage V (3 base tokens), stage F with its one-token check, stage A, the model check; for float32
     answers the one-token refit's random tokens and the block refit's sequences, and no Jacobian stencils
     in stage A (it pulls back through the refitted model)."""
     from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
-    T = max(5 * (ffn + 1), 2 * d)
-    base = _ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + (4 * (d - 2) + 1) * T + 64 + 256
+    f = probe_queries(d, ffn) if _probes(d, ffn, stage_f) else full_queries(d, ffn)
+    base = _ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + f + 64 + 256
     if not float32:
         return base + stage_a_queries(d)
     return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
@@ -251,9 +258,12 @@ def expected_queries(d: int, ffn: int, float32: bool = False) -> int:
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
-                  check: bool = True, verify: int = 256, check_rng=0, progress=None) -> BlockExtraction:
+                  check: bool = True, verify: int = 256, check_rng=0, progress=None,
+                  stage_f: str = "auto") -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences.
-    ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width."""
+    ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
+    ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
+    they need a quarter of the queries or fewer)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     rng = np.random.default_rng(rng)
@@ -295,7 +305,9 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     # (fidelity 7.3e-11 against 6.9e-11 on seed 1008, a correct block)
     eps_f = max(eps, 1e-15)
     coarse = eps > COARSE          # float32 (or noisier) answers: the algebra is a start, refitted to answers
-    part = extract_ffn(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f)
+    # stage F from full Jacobians, or from probe Jacobians where those need a quarter of the queries or fewer
+    route = extract_ffn_probes if _probes(d, int(ffn), stage_f) else extract_ffn
+    part = route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f)
     refit: dict[str, Any] = {}
     if coarse:
         part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale)
@@ -322,6 +334,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
             "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
             "value_sum_residual": vs.residual, "value_sum_conditioning": vs.conditioning,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
+            "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
             "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,

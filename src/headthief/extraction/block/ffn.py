@@ -122,7 +122,7 @@ def jacobians(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.
 
 
 def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: int = 8, max_iter: int = 300,
-         tol: float = 1e-13, progress=None, best_on_stall: bool = False):
+         tol: float = 1e-13, progress=None, best_on_stall: bool = False, probes: np.ndarray | None = None):
     """The span W (orthonormal basis, (d^2, rank)), the lifted matrices (T, d^2, unit rows), the iterations
     run and the last fixed-point residual.
 
@@ -133,29 +133,38 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     answers' precision in tens of steps (measured at d = 16, ffn = 32: residual 3e-8 after 40, 1e-13 after 70).
     Raises :class:`ConvergenceError` when ``max_iter`` steps leave the residual above ``tol`` times its start,
     unless ``best_on_stall`` (coarse answers, where the span is only the start of a refit): then the iterate
-    with the smallest residual is returned."""
+    with the smallest residual is returned.
+
+    ``probes`` (d, p): J holds the derivatives along the probes only (T, d, p), each projected on its point's
+    tangent (:mod:`.ffn_probes`); the nuisance is then ``n_t a^T + e (V^T m_t)^T`` with ``a`` in R^p."""
     T, d, _ = J.shape
     E = np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+    right, mv = (E, ms) if probes is None else (np.eye(probes.shape[1]), ms @ probes)
     Y = J.reshape(T, -1)
     scale = np.linalg.norm(Y, axis=1, keepdims=True)
     Y = Y / scale
-    Nbs = np.stack([np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(d - 1, -1),
-                                    np.einsum("ik,j->kij", E, ms[t]).reshape(d - 1, -1)]).T for t in range(T)])
+    if probes is None:
+        Nbs = np.stack([np.concatenate([np.einsum("i,jk->kij", ns[t], right).reshape(right.shape[1], -1),
+                                        np.einsum("ik,j->kij", E, mv[t]).reshape(d - 1, -1)]).T for t in range(T)])
 
-    def lift(nu):
-        L = Y + np.einsum("tij,tj->ti", Nbs, nu)
-        return L / np.linalg.norm(L, axis=1, keepdims=True)
+        def lift(nu):
+            L = Y + np.einsum("tij,tj->ti", Nbs, nu)
+            return L / np.linalg.norm(L, axis=1, keepdims=True)
 
-    def step(nu):
-        L = lift(nu)
-        Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
-        out = np.empty_like(nu)
-        for t in range(T):
-            A = Nbs[t] - Q @ (Q.T @ Nbs[t])
-            out[t], *_ = np.linalg.lstsq(A, -(Y[t] - Q @ (Q.T @ Y[t])), rcond=None)
-        return out, Q
+        def step(nu):
+            L = lift(nu)
+            Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
+            out = np.empty_like(nu)
+            for t in range(T):
+                A = Nbs[t] - Q @ (Q.T @ Nbs[t])
+                out[t], *_ = np.linalg.lstsq(A, -(Y[t] - Q @ (Q.T @ Y[t])), rcond=None)
+            return out, Q
+        width = Nbs.shape[2]
+    else:
+        lift, step = _structured(Y, ns, mv, E, rank)
+        width = probes.shape[1] + d - 1
 
-    nu = np.zeros((T, Nbs.shape[2]))
+    nu = np.zeros((T, width))
     xs, fs = [], []
     first = None
     best = np.inf
@@ -190,26 +199,70 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
                            f"from {first:.3g}): the Jacobians are not those of LN1 + one GELU FFN of this width")
 
 
+def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, rank: int, chunk: int = 128):
+    """:func:`span`'s lift and step for probe Jacobians without storing any nuisance basis: point t's
+    nuisance ``n_t a^T + (E e) r_t^T`` (a in R^p, e in R^(d-1)) is a Kronecker product, so its normal
+    equations against the span's complement are formed from contractions (``(p + d - 1)^2`` numbers per
+    point, in chunks of ``chunk`` points, instead of ``d p (p + d - 1)``). The one direction the two parts
+    share (``n_t r_t^T``) is left to the pseudo-inverse, as least squares leaves it."""
+    T = Y.shape[0]
+    d, p = ns.shape[1], rs.shape[1]
+    Yr = Y.reshape(T, d, p)
+    En = ns @ E                                                            # (T, d - 1): E^T n_t
+
+    def lift(nu):
+        L = Yr + np.einsum("ti,tj->tij", ns, nu[:, :p]) + np.einsum("ik,tk,tj->tij", E, nu[:, p:], rs)
+        L = L.reshape(T, -1)
+        return L / np.linalg.norm(L, axis=1, keepdims=True)
+
+    def step(nu):
+        L = lift(nu)
+        Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
+        Qr = Q.reshape(d, p, -1)
+        out = np.empty_like(nu)
+        for lo in range(0, T, chunk):
+            sl = slice(lo, min(T, lo + chunk))
+            n, r, Yc = ns[sl], rs[sl], Yr[sl]
+            QN = np.concatenate([np.einsum("ti,ijc->tjc", n, Qr),
+                                 np.einsum("ik,tic->tkc", E, np.einsum("ijc,tj->tic", Qr, r))], axis=1)
+            k = len(n)
+            A = np.zeros((k, p + d - 1, p + d - 1))
+            A[:, :p, :p] = np.eye(p)
+            A[:, :p, p:] = np.einsum("tj,tk->tjk", r, En[sl])
+            A[:, p:, :p] = A[:, :p, p:].transpose(0, 2, 1)
+            A[:, p:, p:] = np.einsum("t,kl->tkl", np.einsum("tj,tj->t", r, r), np.eye(d - 1))
+            A -= QN @ QN.transpose(0, 2, 1)
+            NY = np.concatenate([np.einsum("tij,ti->tj", Yc, n), np.einsum("ik,tij,tj->tk", E, Yc, r)], axis=1)
+            QY = Yc.reshape(k, -1) @ Q
+            rhs = -(NY - np.einsum("tkc,tc->tk", QN, QY))
+            out[sl] = np.einsum("tkl,tl->tk", np.linalg.pinv(A, rcond=1e-13, hermitian=True), rhs)
+        return out, Q
+
+    return lift, step
+
+
 def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, max_starts: int | None = None,
-              tol: float = 1e-6):
+              tol: float = 1e-6, cols: int | None = None, iterations: int = 500):
     """``count`` distinct rank-one elements ``u v^T`` of span(Q) (unit u, v), by projected power iteration;
-    ``tol``: how far from rank one (second over first singular value) an element may be, the span's precision."""
+    ``tol``: how far from rank one (second over first singular value) an element may be, the span's precision.
+    The span's elements are d x ``cols`` matrices (default d x d); ``iterations`` per start at most."""
     max_starts = max_starts or 40 * count + 200
+    shape = (d, cols or d)
     found: list[tuple[np.ndarray, np.ndarray]] = []
     starts = 0
     while len(found) < count and starts < max_starts:
         starts += 1
         z = Q @ rng.standard_normal(Q.shape[1])
         z /= np.linalg.norm(z)
-        for _ in range(500):
-            U, S, Vt = np.linalg.svd(z.reshape(d, d))
+        for _ in range(iterations):
+            U, S, Vt = np.linalg.svd(z.reshape(shape), full_matrices=False)
             zn = Q @ (Q.T @ (S[0] * np.outer(U[:, 0], Vt[0])).ravel())
             zn /= np.linalg.norm(zn)
             done = np.linalg.norm(zn - np.sign(zn @ z) * z) < 1e-9 * tol
             z = zn
             if done:
                 break
-        U, S, Vt = np.linalg.svd(z.reshape(d, d))
+        U, S, Vt = np.linalg.svd(z.reshape(shape), full_matrices=False)
         if S[1] > tol * S[0]:
             continue
         u, v = U[:, 0], Vt[0]
@@ -221,12 +274,28 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
     return found, starts
 
 
-def gamma_direction(Q: np.ndarray, d: int, gap: float = 1e3) -> np.ndarray:
+def neurons(Q: np.ndarray, ffn: int, d: int, rng: np.random.Generator, tol: float, coarse: bool, **kw):
+    """:func:`rank_ones` for ``ffn`` neurons; in a span blurred by coarse answers a neuron the search misses
+    is retried at 3x and 10x the tolerance (seed 7006 found 31 of 32 at 1x, measured)."""
+    if not coarse:
+        return rank_ones(Q, ffn, d, rng, tol=tol, **kw)
+    for k, t in enumerate(min(f * tol, 0.3) for f in (1, 3, 10)):
+        try:
+            return rank_ones(Q, ffn, d, rng, tol=t, **kw)
+        except NotIdentifiable:
+            if k == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def gamma_direction(Q: np.ndarray, d: int, gap: float = 1e3, probes: np.ndarray | None = None) -> np.ndarray:
     """The gamma with ``P diag(gamma) P`` in span(Q) (a null vector), scaled to ``|gamma| = sqrt(d)``, sum > 0;
     the null direction must be ``gap`` times clearer than the next (1e3 for float64 answers, 30 for a span
-    blurred by float32 answers: measured at d = 32, 0.83 against 0.002)."""
+    blurred by float32 answers: measured at d = 32, 0.83 against 0.002). With ``probes`` V, the span's
+    elements are ``K V``: then ``P diag(gamma) P V``."""
     P = np.eye(d) - 1.0 / d
-    G = np.stack([np.outer(P[:, i], P[i, :]).ravel() for i in range(d)], axis=1)   # gamma -> vec(P diag P)
+    R = P if probes is None else P @ probes
+    G = np.stack([np.outer(P[:, i], R[i, :]).ravel() for i in range(d)], axis=1)   # gamma -> vec(P diag P V)
     A = G - Q @ (Q.T @ G)
     _, S, Vt = np.linalg.svd(A)
     g = Vt[-1]
@@ -285,7 +354,6 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
                 max_iter: int = 300, progress=None) -> FFNPart:
     """Stage F (see the module docstring) for a block of FFN width ``ffn``."""
-    from ...models.bert_block import gelu
     d = oracle.d
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
     J, ms, ns, q = jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision)
@@ -293,29 +361,43 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     coarse = precision > COARSE
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
                                     best_on_stall=coarse)
-    if not coarse:
-        pairs, starts = rank_ones(Q, ffn, d, rng, tol=rank_tol)
-    else:                  # a blurred span: a neuron the search misses is retried at 3x and 10x the tolerance
-        for k, tol in enumerate(min(f * rank_tol, 0.3) for f in (1, 3, 10)):
-            try:
-                pairs, starts = rank_ones(Q, ffn, d, rng, tol=tol)
-                break
-            except NotIdentifiable:
-                if k == 2:
-                    raise
+    pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
+    coef = coefficients(lifted, gam, pairs)
+    info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
+            "fitted": ["span (iterated)", "neuron profiles (1-D fits)"]}
+    return assemble_part(gam, [u for u, _ in pairs], [v for _, v in pairs], coef, ms, ns, info)
+
+
+def coefficients(lifted: np.ndarray, gam: np.ndarray, pairs, probes: np.ndarray | None = None) -> np.ndarray:
+    """Each point's lifted matrix in the basis ``P diag(gamma) P [V]``, ``u_k v_k^T``: (ffn + 1, T); row 0
+    (gamma's) must not vanish anywhere (it scales the neurons at that point)."""
+    d = gam.size
     P = np.eye(d) - 1.0 / d
-    basis = np.stack([(P @ np.diag(gam) @ P).ravel()] + [np.outer(u, v).ravel() for u, v in pairs], axis=1)
-    coef, *_ = np.linalg.lstsq(basis, lifted.T, rcond=None)           # (ffn + 1, T)
-    a_t = coef[0]
-    if np.min(np.abs(a_t)) <= 1e-9 * np.max(np.abs(a_t)):
+    G = P @ np.diag(gam) @ P
+    basis = np.stack([(G if probes is None else G @ probes).ravel()] + [np.outer(u, v).ravel() for u, v in pairs],
+                     axis=1)
+    coef, *_ = np.linalg.lstsq(basis, lifted.T, rcond=None)
+    if np.min(np.abs(coef[0])) <= 1e-9 * np.max(np.abs(coef[0])):
         raise NotIdentifiable("a Jacobian has no gamma component: cannot scale the neurons at that point")
+    return coef
+
+
+def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns: np.ndarray, info: dict) -> FFNPart:
+    """Steps 4 and 5 of the module docstring: neuron k's output direction ``us[k]`` and input direction
+    ``zs[k]`` (any scale), its coefficient ``coef[k + 1]`` over gamma's ``coef[0]`` at every point (unit ``ms``,
+    answers' unit ``ns``) -> its GELU' profile (scale, bias), then the linear remainder ``c``."""
+    from ...models.bert_block import gelu
+    T, d = ms.shape
+    ffn = len(us)
+    a_t = coef[0]
+    P = np.eye(d) - 1.0 / d
     M = ms * np.sqrt(d)
     W1m = np.zeros((ffn, d))
     b1m = np.zeros(ffn)
     W2 = np.zeros((d, ffn))
     fits = []
-    for k, (u, v) in enumerate(pairs):
+    for k, (u, v) in enumerate(zip(us, zs)):
         rho = coef[k + 1] / a_t
         xi = M @ v
         alpha, beta, kappa, rel = _profile_fit(xi, rho)
@@ -330,9 +412,7 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     A = T * P - ns.T @ ns
     sol, *_ = np.linalg.lstsq(A, -(PG.sum(axis=0) - ns.T @ np.einsum("td,td->t", ns, PG)), rcond=None)
     c = P @ sol
-    info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
-            "profile_fit_worst": float(max(fits)), "fitted": ["span (iterated)", "neuron profiles (1-D fits)"]}
-    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info=info)
+    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info={**info, "profile_fit_worst": float(max(fits))})
 
 
 def predict_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray) -> np.ndarray:
