@@ -87,10 +87,14 @@ def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
         extract_heads(oracle, vs, rng, heads=12, **few)
 
 
-def test_method_block_recovers_every_part_and_passes_its_check():
-    rep = ht.extract(f"{SPEC},seed=36", "block", verify=64)
+@pytest.mark.parametrize("stage_f", ["auto", "probes"])
+def test_method_block_recovers_every_part_and_passes_its_check(stage_f):
+    from headthief.extraction.block.ffn_probes import full_queries, probe_queries
+    rep = ht.extract(f"{SPEC},seed=36", "block", verify=64, stage_f=stage_f)
     r = rep.row
     assert rep.ok and r["model_check"]["verdict"] == "pass" and r["heads"] == H
+    assert r["stage_f_route"] == ("full" if stage_f == "auto" else "probes")    # auto: full Jacobians at this d
+    assert r["queries_stage_F"] == 64 + (full_queries(D, FFN) if stage_f == "auto" else probe_queries(D, FFN))
     parts = ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "b_rel_err", "ln1_gamma_rel_err", "W1_rel_err",
              "W2_rel_err", "ffn_bias_rel_err", "O_rel_err", "W_rel_err", "c_rel_err")
     assert max(r[k] for k in parts) <= 1e-8
@@ -139,6 +143,10 @@ def test_block_needs_vector_answers_and_the_ffn_width(tmp_path):
     assert rep.exit_code == 2 and "--ffn" in rep.error
     with pytest.raises(SpecError, match="--ffn does not apply to --method vector"):
         ht.extract(f"{SPEC},seed=40", "vector", ffn=32)
+    with pytest.raises(SpecError, match="--stage-f does not apply to --method vector"):
+        ht.extract(f"{SPEC},seed=40", "vector", stage_f="probes")
+    with pytest.raises(SpecError, match="--stage-f must be auto, full or probes"):
+        ht.extract(f"{SPEC},seed=40", "block", stage_f="half")
 
 
 def test_budget_then_resume_from_the_journal(tmp_path):
