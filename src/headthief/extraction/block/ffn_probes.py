@@ -106,7 +106,7 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
     coarse = precision > COARSE
     Q, lifted, iters, change = span(D, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
                                     best_on_stall=coarse, probes=V)
-    pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=p, iterations=2000)
+    pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=p)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3, probes=V)
     coef = coefficients(lifted, gam, pairs, probes=V)
     U = np.stack([u for u, _ in pairs], axis=1)                               # (d, ffn)
