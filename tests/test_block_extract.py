@@ -147,6 +147,8 @@ def test_block_needs_vector_answers_and_the_ffn_width(tmp_path):
         ht.extract(f"{SPEC},seed=40", "vector", stage_f="probes")
     with pytest.raises(SpecError, match="--stage-f must be auto, full or probes"):
         ht.extract(f"{SPEC},seed=40", "block", stage_f="half")
+    rep = ht.extract("bert-block:d=4,heads=1,ffn=4,seed=1", "block", stage_f="probes", raise_errors=False)
+    assert rep.exit_code == 2 and "use --stage-f full" in rep.error and rep.row["queries_sent"] == 0
 
 
 def test_budget_then_resume_from_the_journal(tmp_path):

@@ -40,7 +40,7 @@ from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
-from .ffn_probes import extract_ffn_probes, full_queries, probe_queries, use_probes
+from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .block_refit import refit_block
@@ -270,6 +270,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     d = oracle.d
     if ffn is None or int(ffn) < 1:
         raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
+    if _probes(d, int(ffn), stage_f):
+        check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
     before = counters(oracle)
     R = oracle.input_norm

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import NotIdentifiable
+from ...errors import NotIdentifiable, SpecError
 from ...oracles.base import Oracle
 from .ffn import (FFNPart, _sphere, assemble_part, coefficients, gamma_direction, neurons, span, tokens_for,
                   tolerances)
@@ -69,6 +69,16 @@ def use_probes(d: int, ffn: int) -> bool:
     return d > 8 and probe_count(d, ffn) < d - 3 and 4 * probe_queries(d, ffn) <= full_queries(d, ffn)
 
 
+def check_fits(d: int, ffn: int, p: int | None = None, T: int | None = None) -> None:
+    """:class:`SpecError` (before any query) where the route does not fit: fewer than 2 probes, or
+    ``p >= d - 2`` (no direction left for phase 2), or no point left outside span(V)."""
+    p = p or probe_count(d, ffn)
+    S, T = inside_count(d, ffn), T or max(5 * (ffn + 1), 2 * d)
+    if not 2 <= p < d - 2 or S >= T:
+        raise SpecError(f"--stage-f probes at d = {d}, ffn = {ffn}: {p} probes (need 2 <= p < d - 2) and {S} of {T} "
+                        "points inside their span do not fit; use --stage-f full")
+
+
 def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                        points: int | None = None, probes: int | None = None, precision: float = 1e-15,
                        r: float | None = None, max_iter: int = 300, progress=None) -> FFNPart:
@@ -77,8 +87,7 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
     p = probes or probe_count(d, ffn)
     S = inside_count(d, ffn)
     T = points or max(5 * (ffn + 1), 2 * d)
-    if not 2 <= p < d - 2 or S >= T:
-        raise ValueError(f"probe route at d = {d}, ffn = {ffn}: p = {p} probes and {S} of {T} points do not fit")
+    check_fits(d, ffn, p, T)
     Pm = np.eye(d) - 1.0 / d
     E = np.linalg.svd(Pm)[0][:, :d - 1]
     V = np.linalg.qr(E @ rng.standard_normal((d - 1, p)))[0]                 # (d, p) orthonormal, off 1
