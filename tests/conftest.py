@@ -16,7 +16,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The suite runs on every core (pytest-xdist, ``-n auto --dist loadfile`` in pyproject.toml: a file's tests
 # run on one worker, so a module-scoped fixture is computed once; xdist's ``loadgroup`` does not group
-# under pytest 9.2, measured). Each worker keeps BLAS to one thread, so two workers on CI's two cores do not fight over them (subprocesses inherit it).
+# under pytest 9.2, measured). Each worker keeps BLAS to one thread, so two workers on CI's two cores do
+# not fight over them (subprocesses inherit it).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")

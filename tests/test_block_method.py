@@ -267,8 +267,11 @@ def test_stage_f_from_probes_with_the_wrong_width_is_refused():
 
 
 def test_the_probe_route_is_chosen_where_it_saves_three_quarters():
-    from headthief.extraction.block.ffn_probes import full_queries, probe_queries, use_probes
+    from headthief.errors import SpecError
+    from headthief.extraction.block.ffn_probes import check_fits, full_queries, probe_queries, use_probes
     assert not use_probes(16, 32) and not use_probes(32, 128)          # the validated full route stays
+    with pytest.raises(SpecError, match="use --stage-f full"):          # a span of 65 in (d - 1) p = 35 dims
+        check_fits(8, 64)
     assert use_probes(64, 256) and use_probes(384, 1536)
     assert 4 * probe_queries(384, 1536) <= full_queries(384, 1536) == 11_750_365
 

@@ -66,17 +66,19 @@ def probe_queries(d: int, ffn: int) -> int:
 def use_probes(d: int, ffn: int) -> bool:
     """The probe route where it needs at most a quarter of the full Jacobians' queries (d >= 64 for
     ffn = 4 d; below, the full route, validated on 20 + 10 seeds, stays)."""
-    return d > 8 and probe_count(d, ffn) < d - 3 and 4 * probe_queries(d, ffn) <= full_queries(d, ffn)
+    p = probe_count(d, ffn)
+    return d > 8 and p < d - 3 and (d - 1) * p > ffn + 1 + d + p and 4 * probe_queries(d, ffn) <= full_queries(d, ffn)
 
 
 def check_fits(d: int, ffn: int, p: int | None = None, T: int | None = None) -> None:
     """:class:`SpecError` (before any query) where the route does not fit: fewer than 2 probes, or
-    ``p >= d - 2`` (no direction left for phase 2), or no point left outside span(V)."""
+    ``p >= d - 2`` (no direction left for phase 2), or the span (ffn + 1) and a point's nuisance (d + p)
+    not inside (d - 1) p dimensions (a wide FFN at small d), or no point left outside span(V)."""
     p = p or probe_count(d, ffn)
     S, T = inside_count(d, ffn), T or max(5 * (ffn + 1), 2 * d)
-    if not 2 <= p < d - 2 or S >= T:
-        raise SpecError(f"--stage-f probes at d = {d}, ffn = {ffn}: {p} probes (need 2 <= p < d - 2) and {S} of {T} "
-                        "points inside their span do not fit; use --stage-f full")
+    if not 2 <= p < d - 2 or (d - 1) * p <= ffn + 1 + d + p or S >= T:
+        raise SpecError(f"--stage-f probes at d = {d}, ffn = {ffn}: {p} probes (need 2 <= p < d - 2 and (d - 1) p > "
+                        f"ffn + 1 + d + p) and {S} of {T} points inside their span do not fit; use --stage-f full")
 
 
 def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
@@ -107,7 +109,8 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
     for m in Ms:
         mh = m / np.sqrt(d)
         D.append(derivative(m, (V - np.outer(mh, mh @ V)).T))
-        y0 = ln.normalized(np.asarray(oracle.query_packed(tokens_for(vs, m, r, bound=oracle.input_norm)[:, None, :]))[0])
+        x0 = tokens_for(vs, m, r, bound=oracle.input_norm)
+        y0 = ln.normalized(np.asarray(oracle.query_packed(x0[:, None, :]))[0])
         ms.append(mh)
         ns.append(y0 / np.linalg.norm(y0))
     D, ms, ns = np.array(D), np.array(ms), np.array(ns)
