@@ -139,13 +139,12 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     tangent (:mod:`.ffn_probes`); the nuisance is then ``n_t a^T + e (V^T m_t)^T`` with ``a`` in R^p."""
     T, d, _ = J.shape
     E = np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
-    right, mv = (E, ms) if probes is None else (np.eye(probes.shape[1]), ms @ probes)
     Y = J.reshape(T, -1)
     scale = np.linalg.norm(Y, axis=1, keepdims=True)
     Y = Y / scale
     if probes is None:
-        Nbs = np.stack([np.concatenate([np.einsum("i,jk->kij", ns[t], right).reshape(right.shape[1], -1),
-                                        np.einsum("ik,j->kij", E, mv[t]).reshape(d - 1, -1)]).T for t in range(T)])
+        Nbs = np.stack([np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(d - 1, -1),
+                                        np.einsum("ik,j->kij", E, ms[t]).reshape(d - 1, -1)]).T for t in range(T)])
 
         def lift(nu):
             L = Y + np.einsum("tij,tj->ti", Nbs, nu)
@@ -161,7 +160,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
             return out, Q
         width = Nbs.shape[2]
     else:
-        lift, step = _structured(Y, ns, mv, E, rank)
+        lift, step = _structured(Y, ns, ms @ probes, E, rank)
         width = probes.shape[1] + d - 1
 
     nu = np.zeros((T, width))
@@ -281,7 +280,6 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     max_starts = max_starts or 40 * count + 200
     K = Q.shape[1]
     found: list[tuple[np.ndarray, np.ndarray]] = []
-    starts = 0
 
     def fresh(k):
         C = rng.standard_normal((k, K))

@@ -25,12 +25,14 @@ Then the profiles and the linear remainder as stage F does (:func:`.ffn.assemble
 ``p = 2 (ffn + d) / d + 2 = 12``, 0.38 million against 11.75 million (and 2,000 probe points' spans of
 dimension 1,537 in R^4,596 instead of 7,685 Jacobians of 147,456 entries).
 
-Measured (``benchmarks/research_ffn_probes.py``, exact position-wise maps of random blocks, float64):
-every neuron within 1e-10 at d = 16 (ffn 32) and d = 32 (ffn 128); with float32 rounding ~5e-3 (a
-start: the one-token refit follows). The method is chosen by :func:`use_probes`.
+Measured (``benchmarks/research_ffn_probes.py``: :func:`from_derivatives` on exact position-wise maps of
+random blocks, float64): every neuron within 1.1e-10 at d = 16 (ffn 32) and d = 32 (ffn 128); with
+float32 rounding ~3e-3 (a start: the one-token refit follows). The method is chosen by :func:`use_probes`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -84,8 +86,29 @@ def check_fits(d: int, ffn: int, p: int | None = None, T: int | None = None) -> 
 def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                        points: int | None = None, probes: int | None = None, precision: float = 1e-15,
                        r: float | None = None, max_iter: int = 300, progress=None) -> FFNPart:
-    """Stage F from probe Jacobians (module docstring) for a block of FFN width ``ffn``."""
+    """Stage F from probe Jacobians (module docstring) for a block of FFN width ``ffn``: one-token queries
+    that set LN1's normalised output (:func:`.ffn.tokens_for`), read through stage L's LayerNorm."""
     d = oracle.d
+    h = max(float(precision), 1e-16) ** 0.2 * np.sqrt(d)
+
+    def answer(M):                                                            # LN2's normalised inputs at M
+        X = tokens_for(vs, M, r, bound=oracle.input_norm)
+        return ln.normalized(np.asarray(oracle.query_packed(X[:, None, :])))
+
+    def derivative(m, dirs):                                                  # (d, k) along the rows of dirs
+        return stencil_derivative(answer(stencil_tokens(m, dirs, h)), len(dirs), h)
+
+    q0 = oracle.queries
+    part = from_derivatives(derivative, lambda m: answer(m[None])[0], d, ffn, rng, points=points, probes=probes,
+                            precision=precision, max_iter=max_iter, progress=progress)
+    return dataclasses.replace(part, info={"queries": oracle.queries - q0, **part.info})
+
+
+def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Generator, *, points: int | None = None,
+                     probes: int | None = None, precision: float = 1e-15, max_iter: int = 300,
+                     progress=None) -> FFNPart:
+    """The probe route on any position-wise map m -> n: ``derivative(m, dirs)`` its (d, k) derivatives at m
+    along the rows of dirs, ``answer(m)`` its value at m (the normalised LN2 input, any scale)."""
     p = probes or probe_count(d, ffn)
     S = inside_count(d, ffn)
     T = points or max(5 * (ffn + 1), 2 * d)
@@ -97,20 +120,11 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
     inside = rng.standard_normal((S, p)) @ V.T
     Ms = np.concatenate([inside * (np.sqrt(d) / np.linalg.norm(inside, axis=1, keepdims=True)),
                          _sphere(rng, T - S, d)])
-    eps = max(float(precision), 1e-16)
-    h = eps ** 0.2 * np.sqrt(d)
-
-    def derivative(m, dirs):                                                  # (d, k) along the rows of dirs
-        X = tokens_for(vs, stencil_tokens(m, dirs, h), r, bound=oracle.input_norm)
-        return stencil_derivative(ln.normalized(np.asarray(oracle.query_packed(X[:, None, :]))), len(dirs), h)
-
-    q0 = oracle.queries
     D, ms, ns = [], [], []
     for m in Ms:
         mh = m / np.sqrt(d)
         D.append(derivative(m, (V - np.outer(mh, mh @ V)).T))
-        x0 = tokens_for(vs, m, r, bound=oracle.input_norm)
-        y0 = ln.normalized(np.asarray(oracle.query_packed(x0[:, None, :]))[0])
+        y0 = answer(m)
         ms.append(mh)
         ns.append(y0 / np.linalg.norm(y0))
     D, ms, ns = np.array(D), np.array(ms), np.array(ns)
@@ -141,8 +155,7 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
                               f"(normal matrix conditioning {w[0] / w[-1]:.2g})")
     X = np.linalg.solve(lhs, rhs)
     zs = [V @ v + Wx @ x for (_, v), x in zip(pairs, X)]
-    info = {"queries": oracle.queries - q0, "points": T, "probes": p, "inside_points": S,
-            "span_iterations": iters, "span_change": change, "starts": starts,
-            "phase2_conditioning": float(w[0] / w[-1]),
+    info = {"points": T, "probes": p, "inside_points": S, "span_iterations": iters, "span_change": change,
+            "starts": starts, "phase2_conditioning": float(w[0] / w[-1]),
             "fitted": ["span of probe Jacobians (iterated)", "neuron profiles (1-D fits)"]}
     return assemble_part(gam, [u for u, _ in pairs], zs, coef, ms, ns, info)
