@@ -398,11 +398,14 @@ def tolerances(precision: float, d: int) -> tuple[float, float]:
 
 def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
-                max_iter: int = 300, progress=None) -> FFNPart:
-    """Stage F (see the module docstring) for a block of FFN width ``ffn``."""
+                max_iter: int = 300, progress=None, reader=None) -> FFNPart:
+    """Stage F (see the module docstring) for a block of FFN width ``ffn``. ``reader(rng, T)``, if given,
+    reads the T Jacobians instead of :func:`jacobians` (same returns; the image route:
+    :func:`~.ffn_image.image_reader`)."""
     d = oracle.d
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
-    J, ms, ns, q = jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision)
+    J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
+                    else reader(rng, T))
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,

@@ -1,0 +1,208 @@
+"""Stages V and F of the block method with every query on the previous LayerNorm's image.
+
+Inside an encoder a block's inputs are ``x = G n + beta_p`` (``G = diag(gamma_p)``, n on the sphere of
+:mod:`.image`). Stage V (:mod:`.value_sum`) moves tokens freely; here they move along great circles only,
+so at a base n the Jacobians are known along the d - 2 tangent directions ``G T`` only:
+
+    Y = J_Phi B G T          (one token),        Z = J_Self - J_Cross = J_Phi G T      (the pair [x, x]),
+
+``J_Phi`` being the Jacobian of LN1 -> FFN -> LN2 at ``p0 = B x + b``. It has rank d - 2 and the null space
+``span{1, p0}``; ``Z`` gives it on ``span{G T}`` and the ones, but not along the last direction of R^d
+(``G n``: the radial one, never reachable). So each base leaves one unknown vector ``zeta`` (``J_Phi G n`` in
+the coordinates of Z's columns) and the equations
+
+    w (B G) T = C,    w (B G n + c) = 0,    w = [I, 0, zeta] [G T, 1, G n]^{-1},    C = Z^+ Y
+
+are bilinear in (``B G``, ``c = B beta_p + b``) and ``zeta``. They are solved jointly by Levenberg-Marquardt
+from the start ``B = I, b = 0`` (the residual alone); measured to reach the truth from there on random
+blocks (``benchmarks/bench_block_image.py``). What is recovered: ``K = P B G`` on mean-zero n (B's action on
+the image's directions; ``B gamma_p``, the column along gamma_p, never shows: a genuine symmetry here) and
+``P c``, exact up to the stencils' truncation and the answers' rounding. The fit's residual relative to
+the stencil's error is the model check (two blocks given as one leave equations no single B satisfies).
+
+Stage F on the image (:mod:`.ffn_image`) reads its Jacobians through ``K`` and ``c``: LN1's normalised input
+at an image point is ``m = sqrt(d) P(K n + c) / |P(K n + c)|``, so image-tangent derivatives are LN1-sphere
+derivatives composed with the known ``dm/dn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable, SpecError
+from ...oracles.answers import Output
+from ...oracles.base import Oracle
+from .image import LayerNormImage
+from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivative
+
+MAX_ITER = 200            # Levenberg-Marquardt steps
+MAX_UNKNOWNS = 8192       # the joint fit is dense: (d - 1)^2 + (d - 1) + bases (d - 2) unknowns (d <= 88 at 3 bases)
+
+
+@dataclass(frozen=True)
+class ImageValueSum:
+    """``K`` (d, d): ``P B G`` on mean-zero n (``K 1 = 0``, rows centred), ``c`` = ``P (B beta_p + b)``,
+    the image, and the stage's figures."""
+
+    K: np.ndarray
+    c: np.ndarray
+    image: LayerNormImage
+    residual: float
+    conditioning: float
+    expected: float
+    step: float
+    iterations: int
+    queries: int
+
+    def pre(self, N: np.ndarray) -> np.ndarray:
+        """``P (B x + b)`` for the image tokens with normalised rows N."""
+        return np.atleast_2d(N) @ self.K.T + self.c
+
+
+def _mean_zero_basis(d: int) -> np.ndarray:
+    """An orthonormal basis (d, d - 1) of the mean-zero vectors (fixed, so results do not depend on a draw)."""
+    return np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+
+
+def _jacobians(oracle: Oracle, image: LayerNormImage, n: np.ndarray, T: np.ndarray, h: float):
+    """Y (one-token) and Z (self minus cross, the pair [x, x]) along the columns of T at base n, and queries."""
+    k = T.shape[1]
+    X = image.tokens(image.stencil(n, T, h))
+    x0 = np.broadcast_to(image.tokens(n), X.shape)
+    Y = stencil_derivative(np.asarray(oracle.query_packed(X[:, None, :])), k, h)
+    if oracle.output is Output.ALL:
+        A = np.asarray(oracle.query(np.stack([X, x0], axis=1)))
+        Z = stencil_derivative(A[:, 0], k, h) - stencil_derivative(A[:, 1], k, h)
+        q = 2 * len(X)
+    else:
+        cross = np.asarray(oracle.query_packed(np.stack([X, x0], axis=1)))
+        own = np.asarray(oracle.query_packed(np.stack([x0, X], axis=1)))
+        Z = stencil_derivative(own, k, h) - stencil_derivative(cross, k, h)
+        q = 3 * len(X)
+    return Y, Z, q
+
+
+class _Fit:
+    """The joint least squares of the module docstring, in ``nu``-coordinates (n = Qm nu): unknowns A
+    ((d-1) x (d-1), ``B G Qm = Qm A`` modulo ones), a (``c = Qm a``) and zeta per base."""
+
+    def __init__(self, image: LayerNormImage, bases: list):
+        d = image.d
+        self.d, self.k, self.P = d, d - 2, len(bases)
+        self.Qm = Qm = _mean_zero_basis(d)
+        G = image.gamma
+        self.pre = []
+        for n, T, C in bases:
+            E = np.column_stack([G[:, None] * T, np.ones(d), G * n])
+            self.pre.append((np.linalg.inv(E) @ Qm, C, Qm.T @ T, Qm.T @ n))   # Ei Qm, C, K_p, nu_p
+
+    def zetas(self, A, a):
+        out = []
+        k = self.k
+        for EQ, C, Kp, nu in self.pre:
+            al, ga = EQ[:k] @ A @ Kp, EQ[k + 1] @ A @ Kp
+            pa = EQ @ (A @ nu + a)
+            out.append(((C - al) @ ga - pa[:k] * pa[k + 1]) / (ga @ ga + pa[k + 1] ** 2))
+        return out
+
+    def residual(self, A, a, zs, jac: bool = False):
+        k, m = self.k, self.d - 1
+        nA = m * m
+        rows, res = [], []
+        for i, ((EQ, C, Kp, nu), z) in enumerate(zip(self.pre, zs)):
+            wQ = EQ[:k] + np.outer(z, EQ[k + 1])                              # w Qm: k x (d - 1)
+            ga = EQ[k + 1] @ A @ Kp
+            g = EQ[k + 1] @ (A @ nu + a)
+            res.append((wQ @ A @ Kp - C).ravel())
+            res.append(wQ @ (A @ nu + a))
+            if jac:
+                Jz1 = np.zeros((k * k, self.P * k))
+                Jz1[:, i * k:(i + 1) * k] = np.kron(np.eye(k), ga[:, None])
+                Jz2 = np.zeros((k, self.P * k))
+                Jz2[:, i * k:(i + 1) * k] = g * np.eye(k)
+                rows.append(np.hstack([np.kron(wQ, Kp.T), np.zeros((k * k, m)), Jz1]))
+                rows.append(np.hstack([np.kron(wQ, nu[None, :]), wQ, Jz2]))
+        r = np.concatenate(res)
+        return (r, np.vstack(rows), nA) if jac else r
+
+    def scale(self) -> float:
+        return float(np.sqrt(sum(np.sum(C * C) for _, C, _, _ in self.pre)))
+
+    def solve(self, A: np.ndarray, a: np.ndarray, max_iter: int = MAX_ITER):
+        """Levenberg-Marquardt from (A, a), zeta from its closed form: (A, a, cost, steps, settled)."""
+        m, k = self.d - 1, self.k
+        zs = self.zetas(A, a)
+        lam = 1e-3
+        r = self.residual(A, a, zs)
+        cost = float(r @ r)
+        for it in range(1, max_iter + 1):
+            r, J, nA = self.residual(A, a, zs, jac=True)
+            g = J.T @ r
+            H = J.T @ J
+            dH = np.diag(H) + 1e-300
+            while True:
+                step = np.linalg.solve(H + lam * np.diag(dH), -g)
+                A2 = A + step[:nA].reshape(m, m)
+                a2 = a + step[nA:nA + m]
+                z2 = [z + step[nA + m + i * k: nA + m + (i + 1) * k] for i, z in enumerate(zs)]
+                r2 = self.residual(A2, a2, z2)
+                c2 = float(r2 @ r2)
+                if c2 < cost:
+                    break
+                lam *= 10
+                if lam > 1e16:
+                    return A, a, cost, it, True                                # stationary: no step lowers it
+            small = np.linalg.norm(step) <= 1e-15 * (1 + np.linalg.norm(A))
+            A, a, zs, cost, lam = A2, a2, z2, c2, max(lam / 10, 1e-15)
+            if small:
+                return A, a, cost, it, True
+        return A, a, cost, max_iter, False
+
+
+def value_sum_on_image(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, *, precision: float,
+                       bases: int = BASES, max_iter: int = MAX_ITER) -> ImageValueSum:
+    """Stage V with every query on ``image`` (see the module docstring). ``precision``: the answers'
+    relative precision (e.g. the output LayerNorm fit's sphere residual)."""
+    if not oracle.output.vector:
+        raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    d = oracle.d
+    if image.d != d:
+        raise ValueError(f"the image has d = {image.d}, the oracle d = {d}")
+    if bases < 2:
+        raise ValueError(f"need at least 2 base tokens, got {bases}")
+    unknowns = (d - 1) ** 2 + (d - 1) + bases * (d - 2)
+    if unknowns > MAX_UNKNOWNS:
+        raise SpecError(f"stage V on the image fits {unknowns} unknowns jointly with a dense solver (at most "
+                        f"{MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
+    eps = max(float(precision), 1e-16)
+    h = eps ** 0.2                                     # the old stage's step (|x| ~ sqrt(d), unit directions)
+    expected = eps ** 0.8 * np.sqrt(d)
+    data, q, cond = [], 0, np.inf
+    for n in image.points(rng, bases):
+        T = image.tangent(n, rng)
+        Y, Z, qq = _jacobians(oracle, image, n, T, h)
+        q += qq
+        S = np.linalg.svd(Z, compute_uv=False)
+        if S[-1] <= RANK_MARGIN * expected * S[0]:
+            raise NotIdentifiable(
+                f"the pair Jacobian's smallest of d - 2 singular values ({S[-1] / S[0]:.3g} of the largest) is not "
+                f"{RANK_MARGIN}x above the finite differences' error ({expected:.2g}) at this answer precision")
+        cond = min(cond, float(S[-1] / S[0]))
+        data.append((n, T, np.linalg.lstsq(Z, Y, rcond=None)[0]))
+    fit = _Fit(image, data)
+    Qm = fit.Qm                                                               # the start: B = I, b = 0
+    A, a, cost, iters, settled = fit.solve(Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta, max_iter)
+    res = float(np.sqrt(cost) / max(fit.scale(), 1e-300))
+    if res > CONSISTENCY * expected:
+        if not settled:
+            raise ConvergenceError(f"stage V on the image did not settle in {max_iter} steps (relative residual "
+                                   f"{res:.3g})")
+        raise ModelMismatch(
+            f"the tangent Jacobians at {bases} image points are not J_Phi (delta_ij I + (B - I)/2) G T for one "
+            f"value-output map B (relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): "
+            "not one post-LN block", check="value-sum (image)", figure=res, threshold=CONSISTENCY * expected)
+    K = centre(fit.Qm @ A @ fit.Qm.T)
+    return ImageValueSum(K=K, c=centre(fit.Qm @ a), image=image, residual=res, conditioning=cond,
+                         expected=float(expected), step=float(h), iterations=int(iters), queries=q)
