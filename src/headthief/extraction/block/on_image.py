@@ -1,0 +1,205 @@
+"""A whole block with every query on the previous LayerNorm's image: what ``--method encoder`` needs per block.
+
+Inside an encoder, block k + 1 only ever reads points of block k's output LayerNorm's image (:mod:`.image`).
+The stages:
+
+1. **L** (:mod:`.layernorm`): LN2's gamma and beta from answers to sequences of image tokens (exact);
+2. **V** (:mod:`.value_sum_image`): ``K = P B G`` and ``c = P (B beta_p + b)`` from great-circle Jacobians
+   (a bilinear least squares, exact to the stencils' precision);
+3. **F** (:mod:`.ffn_image`): LN1 and every GELU neuron through ``dm/dn`` (exact algebra as stage F), then
+   the one-token check on fresh image tokens;
+4. **A, fitted**: the heads are not read algebraically here (stage A's second-order reads need a direction
+   e at base tokens x with e off x, while on the image a token only moves orthogonally to its own n; see
+   docs/block.md). Instead the block is assembled with stages L, V, F's parts and a head start that
+   satisfies stage V exactly (``W_O V = B - I`` split over the heads by coordinate blocks; random Q, K,
+   ``b_Q = 0``) and every parameter is fitted to answers of random image sequences (:mod:`.block_refit`).
+   The result says so (``fitted``) and gives the fit's residual; the heads' precision is what the fit
+   reaches, measured against the truth in ``benchmarks/bench_block_image.py``.
+
+Identifiable on the image, and compared that way (:func:`image_block_errors`): besides the free-input
+symmetries (:mod:`.extract`), only the parts acting on the image's directions: ``B G P0`` (not ``B gamma_p``),
+each ``O_h G P0``, ``P0 G W_h G P0`` and the key-side term ``P0 G (W_h beta_p + c_h)`` of the scores
+(``P0 = I - 1 1^T / d``; ``G = diag(gamma_p)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from ...errors import ModelMismatch, SpecError
+from ...oracles.base import Oracle
+from ..check import cost, counters
+from ..result import rel_err
+from .block_refit import refit_block
+from ..precision import ModelCheck
+from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, _refit_counts, block_errors, parts_of
+from .ffn import extract_ffn
+from .ffn_image import check_on_image, image_reader
+from .heads import Heads
+from .image import LayerNormImage
+from .layernorm import fit_output_layernorm
+from .value_sum import ValueSum, centre, with_map
+from .value_sum_image import ImageValueSum, value_sum_on_image
+
+LN_LENGTH = 16          # stage L: sequences of this many image tokens
+
+
+def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generator):
+    """The fit's start: stages L, V, F's parts and heads that satisfy stage V (module docstring)."""
+    from ...models.bert_block import BertBlock
+    from ...models.mha import AttentionLayer
+    image = ivs.image
+    d = image.d
+    if d % heads:
+        raise SpecError(f"heads={heads} does not divide d={d}")
+    dh = d // heads
+    B = ivs.K / image.gamma[None, :]                      # B G n = K n on mean-zero n; B gamma_p = 0 (free)
+    b = ivs.c - B @ image.beta
+    layer = AttentionLayer(Q=rng.standard_normal((heads, dh, d)) * np.sqrt(2.0 / d),
+                           K=rng.standard_normal((heads, dh, d)) * np.sqrt(2.0 / d),
+                           V=np.eye(d).reshape(heads, dh, d), Wo=B - np.eye(d), bq=np.zeros((heads, dh)),
+                           bk=np.zeros((heads, dh)), bv=np.zeros((heads, dh)), bo=b, output="all")
+    return BertBlock(attention=layer, ln1_gamma=part.gamma, ln1_beta=np.zeros(d), W1=part.W1m / part.gamma[None, :],
+                     b1=part.b1m, W2=part.W2, b2=part.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
+                     info={"recovered": True, "input_image": True})
+
+
+def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, ffn: int) -> list:
+    """Random image sequences for the fit, as :func:`.extract._refit_sequences` counts them."""
+    d = image.d
+    out = []
+    for T, n in zip(REFIT_LENGTHS, _refit_counts(d, ffn)):
+        X = image.tokens(image.points(rng, n * T)).reshape(n, T, d)
+        out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
+    return out
+
+
+def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int, ffn: int,
+                           rng: np.random.Generator | int = 0, verify: int = 256, progress=None) -> BlockExtraction:
+    """Stages L, V, F on the image, the heads fitted (module docstring), and the model check on ``verify``
+    fresh image sequences of 1 to 16 tokens. float64 answers (the image stages' steps assume them)."""
+    if not oracle.output.vector:
+        raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    if image.d != oracle.d:
+        raise ValueError(f"the image has d = {image.d}, the oracle d = {oracle.d}")
+    if int(heads) < 1 or oracle.d % int(heads):
+        raise SpecError(f"heads={heads} must divide d={oracle.d}")
+    rng = np.random.default_rng(rng)
+    d = oracle.d
+    t0 = time.perf_counter()
+    before = counters(oracle)
+    stages: dict[str, Any] = {}
+
+    def mark(name, q0):
+        stages[f"queries_stage_{name}"] = int(oracle.queries - q0)
+        if progress is not None:
+            progress(stages[f"queries_stage_{name}"])
+
+    q0 = oracle.queries
+    k = -(-(2 * d + 8) // LN_LENGTH)
+    X_ln = image.tokens(image.points(rng, k * LN_LENGTH)).reshape(k, LN_LENGTH, d)
+    Y = np.asarray(oracle.query_packed(X_ln))
+    ln = fit_output_layernorm(Y)
+    eps = max(float(ln.sphere_residual), 1e-15)
+    if eps > 1e-12:
+        raise SpecError(f"the answers are coarse (LN2's sphere residual {ln.sphere_residual:.2g}): the block method "
+                        "on the image is built for float64 answers only")
+    mark("L", q0)
+    q0 = oracle.queries
+    ivs = value_sum_on_image(oracle, image, rng, precision=eps)
+    mark("V", q0)
+    q0 = oracle.queries
+    part = extract_ffn(oracle, ln, None, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps))
+    one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
+    mark("F", q0)
+    q0 = oracle.queries
+    start = start_block(ln, ivs, part, int(heads), rng)
+    groups = _sequences(oracle, image, rng, int(ffn))
+    block, fit = refit_block(start, groups)
+    mark("A", q0)
+    P = np.eye(d) - 1.0 / d
+    vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
+                           residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,
+                           step=ivs.step, queries=ivs.queries), *block.value_output_sum())
+    att0 = Heads(O=np.zeros((heads, d, d)), W=np.zeros((heads, d, d)), c=np.zeros((heads, d)),
+                 info={"fitted": True})
+    ln, vs, part, att = parts_of(block, ln, vs, part, att0)
+    Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
+    insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
+    diag = {**stages, "input": "previous LayerNorm's image", "ln2_sphere_residual": ln.sphere_residual,
+            "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
+            "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],
+            "ffn_span_iterations": part.info.get("span_iterations"), "insample_rel_err": insample,
+            **{k: v for k, v in fit.items()},
+            "fitted": "heads (every parameter refitted to answers of image sequences from a start that satisfies "
+                      "stage V); LN2, B G, LN1 and the FFN by the stages' algebra before that fit",
+            **cost(oracle, before)}
+    res = BlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att,
+                          queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
+                          diagnostics=diag, method="block (image)")
+    return dataclasses.replace(res, check=_check(res, oracle, image, rng, verify, max(insample, one["fidelity"])))
+
+
+def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: int, parts: float) -> ModelCheck:
+    """Fresh image sequences of 1 to 16 tokens: fidelity within CHECK_FACTOR x the parts' precision, else
+    :class:`ModelMismatch` (a fit that found no block of this shape, or the wrong model class)."""
+    d = image.d
+    worst, rms2, count = 0.0, 0.0, 0
+    lengths = rng.integers(1, 17, size=n)
+    for T in np.unique(lengths):
+        m = int(np.sum(lengths == T))
+        X = image.tokens(image.points(rng, m * T)).reshape(m, T, d)
+        Y = np.asarray(oracle.query(X), dtype=np.float64)
+        worst = max(worst, float(np.max(np.abs(res.block.forward(X) - Y))))
+        rms2 += float(np.sum(Y * Y))
+        count += Y.size
+    fid = worst / np.sqrt(rms2 / count)
+    limit = CHECK_FACTOR * max(parts, 1e-13)
+    if fid > limit:
+        raise ModelMismatch(f"the fitted block answers {n} fresh image sequences with fidelity {fid:.3g} > {limit:.3g} "
+                            f"({CHECK_FACTOR}x the parts' precision {parts:.3g}): the fit found no post-LN block of "
+                            "this shape that answers like the target", check="fresh image sequences", figure=fid,
+                            threshold=limit)
+    return ModelCheck("pass", MODEL + ", on the previous LayerNorm's image", answers="float64", figure=fid,
+                      threshold=limit, verify_queries=int(count // d),
+                      detail=f"fidelity {fid:.3g} on {n} fresh image sequences of 1 to 16 tokens (every position); "
+                             f"threshold {limit:.3g}: {CHECK_FACTOR}x the parts' precision {parts:.3g}")
+
+
+def image_block_errors(res: BlockExtraction, truth, image: LayerNormImage) -> dict[str, Any]:
+    """:func:`.extract.block_errors`, with the value-output map and the heads compared on the image's
+    directions only (module docstring): ``B_rel_err`` is ``P B G P0``'s, heads by ``O_h G P0``."""
+    from scipy.optimize import linear_sum_assignment
+    out = block_errors(res, truth)
+    d = truth.d
+    P = np.eye(d) - 1.0 / d
+    G = np.diag(image.gamma)
+    B, b = truth.value_output_sum()
+    Bh, bh = res.block.value_output_sum()
+    out["B_rel_err"] = rel_err(P @ Bh @ G @ P, P @ B @ G @ P)
+    out["b_rel_err"] = rel_err(P @ (Bh @ image.beta + bh), P @ (B @ image.beta + b))
+    ct, cn = truth.attention.canonical(), res.block.attention.canonical()
+    H = truth.heads
+
+    def parts(can, h):
+        return (P @ can.O(h) @ G @ P, P @ G @ can.W(h) @ G @ P, P @ G @ (can.W(h) @ image.beta + can.C[h]))
+
+    tp = [parts(ct, h) for h in range(H)]
+    npp = [parts(cn, h) for h in range(cn.heads)]
+    cost_m = np.array([[rel_err(npp[i][0], tp[j][0]) for j in range(H)] for i in range(len(npp))])
+    rows, cols = linear_sum_assignment(cost_m)
+    per = [{"head": int(j), "recovered_as": int(i), "O_rel_err": rel_err(npp[i][0], tp[j][0]),
+            "W_rel_err": rel_err(npp[i][1], tp[j][1]), "c_rel_err": rel_err(npp[i][2], tp[j][2])}
+           for i, j in zip(rows, cols)]
+    per.sort(key=lambda r: r["head"])
+    for key in ("O_rel_err", "W_rel_err", "c_rel_err"):
+        out[key] = max(r[key] for r in per)
+    out["per_head"] = per
+    return out
+
+
+__all__ = ["extract_block_on_image", "image_block_errors", "start_block"]

@@ -1,0 +1,119 @@
+"""Stages V and F of the block method with every query on the previous LayerNorm's image (issue 19, toward
+``--method encoder``): against the truth of random blocks, behind a guard that refuses any other token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from headthief.errors import InvalidQuery, ModelMismatch, SpecError
+from headthief.extraction.block import centre, extract_ffn, fit_output_layernorm
+from headthief.extraction.block.ffn_image import check_on_image, image_reader
+from headthief.extraction.block.image import ImageGuard, LayerNormImage
+from headthief.extraction.block.value_sum_image import value_sum_on_image
+from headthief.models.bert_block import random_block
+from headthief.models.mha import _assemble, _groups
+from headthief.oracles.answers import Output
+from headthief.oracles.base import ModelOracle
+
+D, H, FFN = 12, 2, 24
+
+
+def _image(d, seed):
+    """A previous LayerNorm as random_block draws them: gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2)."""
+    rng = np.random.default_rng(1000 + seed)
+    return LayerNormImage(1.0 + 0.1 * rng.standard_normal(d), 0.05 * rng.standard_normal(d))
+
+
+def _truth(block, image):
+    """What stage V on the image recovers: K = P B G on mean-zero n, c = P (B beta_p + b)."""
+    B, b = block.value_output_sum()
+    d = block.d
+    return centre(B @ np.diag(image.gamma) @ (np.eye(d) - 1.0 / d)), centre(B @ image.beta + b)
+
+
+@pytest.mark.parametrize("seed, output", [(1, "all"), (2, "all"), (3, "last")])
+def test_value_sum_on_the_image_is_exact(seed, output):
+    block = random_block(D, H, FFN, seed=seed, output=output)
+    image = _image(D, seed)
+    inner = ModelOracle(block)
+    ivs = value_sum_on_image(ImageGuard(inner, image), image, np.random.default_rng(seed), precision=1e-15)
+    K, c = _truth(block, image)
+    assert np.max(np.abs(ivs.K - K)) <= 1e-9 * np.max(np.abs(K))
+    assert np.max(np.abs(ivs.c - c)) <= 1e-9 * np.max(np.abs(K))
+    per_base = 4 * (D - 2) * (2 if output == "all" else 3)          # one-token and pair stencils
+    assert ivs.queries == inner.queries == 3 * per_base
+    assert ivs.residual <= 1e-9
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_stage_f_on_the_image_recovers_ln1_and_every_neuron(seed):
+    block = random_block(D, H, FFN, seed=seed)
+    image = _image(D, seed)
+    inner = ModelOracle(block)
+    oracle = ImageGuard(inner, image)
+    rng = np.random.default_rng(seed)
+    ln = fit_output_layernorm(np.asarray(oracle.query_packed(image.tokens(image.points(rng, 24)).reshape(4, 6, D))))
+    ivs = value_sum_on_image(oracle, image, rng, precision=1e-15)
+    before = inner.queries
+    part = extract_ffn(oracle, ln, None, rng, ffn=FFN, reader=image_reader(oracle, ln, ivs, precision=1e-15))
+    assert inner.queries - before == part.info["queries"] == 5 * (FFN + 1) * (4 * (D - 2) + 1)
+    P = np.eye(D) - 1.0 / D
+    s = float(np.mean(part.gamma / block.ln1_gamma))                   # the block's global scale
+    assert np.max(np.abs(part.gamma - s * block.ln1_gamma)) <= 1e-9 * np.sqrt(D)
+    W1m = block.W1 @ np.diag(block.ln1_gamma) @ P
+    b1m = block.W1 @ block.ln1_beta + block.b1
+    for k in range(FFN):                                               # every recovered neuron is a true one
+        j = int(np.argmin(np.linalg.norm(W1m - part.W1m[k], axis=1)))
+        assert np.linalg.norm(part.W1m[k] - W1m[j]) <= 1e-8 * np.linalg.norm(W1m[j])
+        assert abs(part.b1m[k] - b1m[j]) <= 1e-8 * (1 + abs(b1m[j]))
+        assert np.linalg.norm(P @ part.W2[:, k] - s * P @ block.W2[:, j]) <= 1e-8 * np.linalg.norm(s * block.W2[:, j])
+    chk = check_on_image(oracle, part, ln, ivs, rng)
+    assert chk["fidelity"] <= 1e-9 and chk["fidelity"] <= chk["threshold"]
+
+
+class _Stack:
+    """Two blocks given as one black box (the wrong model class)."""
+
+    output = Output.ALL
+
+    def __init__(self, first, second):
+        self.first, self.second, self.d, self.d_out = first, second, first.d, first.d
+
+    def evaluate(self, batch):
+        return _assemble(self.output, batch,
+                         [(i, self.second.forward(self.first.forward(A))) for i, A in _groups(batch)], self.d)
+
+
+def test_two_blocks_on_the_image_are_a_mismatch():
+    image = _image(D, 6)
+    stack = _Stack(random_block(D, H, FFN, seed=6), random_block(D, H, FFN, seed=7))
+    with pytest.raises(ModelMismatch, match="not one post-LN block") as e:
+        value_sum_on_image(ImageGuard(ModelOracle(stack), image), image, np.random.default_rng(6), precision=1e-15)
+    assert e.value.check == "value-sum (image)" and e.value.figure > 1e3 * 1e-12 * np.sqrt(D)
+
+
+def test_the_guard_and_bad_input():
+    block = random_block(D, H, FFN, seed=8)
+    image = _image(D, 8)
+    inner = ModelOracle(block)
+    guard = ImageGuard(inner, image)
+    n = image.points(np.random.default_rng(8), 3)
+    assert np.allclose(guard.query(image.tokens(n)[None])[0], block.forward(image.tokens(n)[None])[0])
+    with pytest.raises(InvalidQuery, match="off the previous LayerNorm's image"):
+        guard.query(1.01 * image.tokens(n)[None])
+    assert inner.queries == 1                                          # the refused query never reached it
+    with pytest.raises(ValueError, match="zero entry"):
+        LayerNormImage(np.r_[0.0, np.ones(D - 1)], np.zeros(D))
+    with pytest.raises(ValueError, match="one length"):
+        LayerNormImage(np.ones(D), np.zeros(D + 1))
+    with pytest.raises(ValueError, match="the image has d = 12"):
+        value_sum_on_image(ModelOracle(random_block(16, 2, 8, seed=8)), image, np.random.default_rng(0), precision=1e-15)
+    from headthief.targets import resolve
+    with pytest.raises(SpecError, match="needs vector answers"):
+        value_sum_on_image(resolve("random:d=12,seed=1").make_oracle(), image, np.random.default_rng(0),
+                           precision=1e-15)
+    big = ModelOracle(random_block(96, 4, 8, seed=8))
+    with pytest.raises(SpecError, match="d = 96 is not built"):
+        value_sum_on_image(big, _image(96, 8), np.random.default_rng(0), precision=1e-15)
+    assert big.queries == 0
