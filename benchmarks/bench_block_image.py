@@ -7,10 +7,13 @@ The previous LayerNorm is drawn as ``random_block`` draws its own (gamma ~ 1 + N
 N(0, 0.05^2), from ``default_rng(1000 + seed)``). One row per block: relative errors of K = P B G (over
 max |K|) and c = P (B beta_p + b), the Levenberg-Marquardt steps of stage V and its relative residual,
 LN1's gamma (up to the block's global scale), the worst neuron (W_1 row, b_1, W_2 column, relative), the
-one-token fidelity on fresh image tokens, queries and seconds.
+one-token fidelity on fresh image tokens, queries and seconds. ``--whole``: the whole block
+(``block/on_image.py``: the heads fitted), with every part's error on the image's directions
+(``image_block_errors``), the fit's rms and steps, the fidelity on fresh image sequences.
 
     .venv/bin/python benchmarks/bench_block_image.py --d 16 --heads 4 --ffn 32 --seeds 9000 9020
     .venv/bin/python benchmarks/bench_block_image.py --d 32 --heads 4 --ffn 128 --seeds 9100 9101 --json
+    .venv/bin/python benchmarks/bench_block_image.py --whole --d 16 --heads 4 --ffn 32 --seeds 9200 9220
 
 Measured figures: docs/block.md, section "Stages V and F on the previous LayerNorm's image".
 """
@@ -71,6 +74,28 @@ def one(d: int, heads: int, ffn: int, seed: int) -> dict:
     return row
 
 
+def whole(d: int, heads: int, ffn: int, seed: int) -> dict:
+    """The whole block on the image (block/on_image.py): the stages, the heads fitted, the model check."""
+    from headthief.extraction.block.on_image import extract_block_on_image, image_block_errors
+    t0 = time.perf_counter()
+    block = random_block(d, heads, ffn, seed=seed)
+    r = np.random.default_rng(1000 + seed)
+    image = LayerNormImage(1.0 + 0.1 * r.standard_normal(d), 0.05 * r.standard_normal(d))
+    inner = ModelOracle(block)
+    row: dict = {"seed": seed}
+    try:
+        res = extract_block_on_image(ImageGuard(inner, image), image, heads=heads, ffn=ffn, rng=seed)
+        e = image_block_errors(res, block, image)
+        parts = [k for k in e if k.endswith("_err")]
+        row.update(worst_part=max(float(e[k]) for k in parts), heads=max(e["O_rel_err"], e["W_rel_err"], e["c_rel_err"]),
+                   ffn=max(e["W1_rel_err"], e["W2_rel_err"]), fit_rms=res.diagnostics["block_refit_rms_after"],
+                   fit_steps=res.diagnostics["block_refit_iterations"], fidelity=res.check.figure, result="ok")
+    except HeadthiefError as e:
+        row["result"] = f"{type(e).__name__}: {e}"
+    row.update(queries=inner.queries, seconds=round(time.perf_counter() - t0, 1))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=16)
@@ -78,13 +103,16 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=32)
     ap.add_argument("--seeds", type=int, nargs=2, default=(9000, 9020), metavar=("FIRST", "STOP"))
     ap.add_argument("--json", action="store_true", help="one JSON object per block instead of the table")
+    ap.add_argument("--whole", action="store_true", help="the whole block (heads fitted), not stages V and F only")
     a = ap.parse_args()
     cols = ("seed", "K", "c", "lm_steps", "gamma1", "neurons", "fidelity", "queries", "seconds", "result")
+    if a.whole:
+        cols = ("seed", "worst_part", "heads", "ffn", "fit_rms", "fit_steps", "fidelity", "queries", "seconds", "result")
     if not a.json:
         print(f"random_block({a.d}, {a.heads}, {a.ffn}), float64, every query on the previous LayerNorm's image")
         print(" ".join(f"{k:>9}" for k in cols))
     for seed in range(*a.seeds):
-        row = one(a.d, a.heads, a.ffn, seed)
+        row = (whole if a.whole else one)(a.d, a.heads, a.ffn, seed)
         if a.json:
             print(json.dumps(row), flush=True)
             continue

@@ -117,3 +117,31 @@ def test_the_guard_and_bad_input():
     with pytest.raises(SpecError, match="d = 96 is not built"):
         value_sum_on_image(big, _image(96, 8), np.random.default_rng(0), precision=1e-15)
     assert big.queries == 0
+
+
+# ----------------------------------------------------------------------------- the whole block on the image
+
+
+@pytest.mark.parametrize("seed", [21])
+def test_the_whole_block_on_the_image(seed):
+    """Stages L, V, F on the image and the heads fitted from a start that satisfies stage V: every part within
+    1e-9 on the image's directions; every query on the image; the queries counted exactly."""
+    from headthief.extraction.block.extract import REFIT_LENGTHS
+    from headthief.extraction.block.on_image import extract_block_on_image, image_block_errors
+    d, heads, ffn, positions = 8, 2, 8, 1000
+    block = random_block(d, heads, ffn, seed=seed)
+    image = _image(d, seed)
+    inner = ModelOracle(block)
+    res = extract_block_on_image(ImageGuard(inner, image), image, heads=heads, ffn=ffn, rng=seed, positions=positions,
+                                 verify=64)
+    e = image_block_errors(res, block, image)
+    for key in ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "b_rel_err", "O_rel_err", "W_rel_err",
+                "c_rel_err", "ln1_gamma_rel_err", "W1_rel_err", "b1_abs_err", "W2_rel_err", "ffn_bias_rel_err"):
+        assert e[key] <= 1e-9, (key, e[key])
+    assert res.check.verdict == "pass" and res.check.figure <= res.check.threshold
+    assert "heads" in res.diagnostics["fitted"]
+    fit = sum(-(-positions // (4 * T)) for T in REFIT_LENGTHS)
+    stage_f = 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
+    assert res.diagnostics["queries_stage_V"] == 3 * 8 * (d - 2)
+    assert res.diagnostics["queries_stage_F"] == stage_f and res.diagnostics["queries_stage_A"] == fit
+    assert inner.queries == res.queries + res.check.verify_queries

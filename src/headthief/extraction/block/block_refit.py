@@ -83,30 +83,33 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     return L
 
 
-def loss_and_grad(theta: np.ndarray, shapes: dict, groups) -> tuple[float, np.ndarray]:
-    """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient."""
-    p = unpack(theta, shapes)
-    grads = {k: np.zeros(shapes[k]) for k in NAMES}
+def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None) -> tuple[float, np.ndarray]:
+    """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient with
+    respect to the parameters in ``shapes`` (``fixed``: the others' values)."""
+    p = {**(fixed or {}), **unpack(theta, shapes)}
+    grads = {k: np.zeros(np.shape(p[k])) for k in NAMES}
     L = sum(_group_loss(p, X, Y, grads) for X, Y in groups)
     return L, pack(grads, shapes)
 
 
-def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
+def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
-    groups (module docstring). ``info``: rms residual before/after relative to the answers' rms, the largest
-    in-sample error over that rms, the iterations. :class:`ConvergenceError` if the fit cannot improve."""
+    groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
+    relative to the answers' rms, the largest in-sample error over that rms, the iterations.
+    :class:`ConvergenceError` if the fit cannot improve."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     start = params_of(block)
-    shapes = {k: np.shape(start[k]) for k in NAMES}
+    shapes = {k: np.shape(start[k]) for k in NAMES if k in free}
+    fixed = {k: np.asarray(start[k], np.float64) for k in NAMES if k not in free}
     theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
-    L0, _ = loss_and_grad(theta, shapes, groups)
+    L0, _ = loss_and_grad(theta, shapes, groups, fixed)
     calls = [0]
 
     def fun(th):
         calls[0] += 1
-        L, G = loss_and_grad(th, shapes, groups)
+        L, G = loss_and_grad(th, shapes, groups, fixed)
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         return L, G
@@ -117,7 +120,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None):
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the block refit did not improve on the assembled block (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    p = unpack(theta, shapes)
+    p = {**fixed, **unpack(theta, shapes)}
     att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
                               V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
     new = dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
