@@ -122,26 +122,38 @@ def test_the_guard_and_bad_input():
 # ----------------------------------------------------------------------------- the whole block on the image
 
 
-@pytest.mark.parametrize("seed", [21])
-def test_the_whole_block_on_the_image(seed):
-    """Stages L, V, F on the image and the heads fitted from a start that satisfies stage V: every part within
-    1e-9 on the image's directions; every query on the image; the queries counted exactly."""
-    from headthief.extraction.block.extract import REFIT_LENGTHS
-    from headthief.extraction.block.on_image import extract_block_on_image, image_block_errors
-    d, heads, ffn, positions = 8, 2, 8, 1000
-    block = random_block(d, heads, ffn, seed=seed)
-    image = _image(d, seed)
-    inner = ModelOracle(block)
-    res = extract_block_on_image(ImageGuard(inner, image), image, heads=heads, ffn=ffn, rng=seed, positions=positions,
-                                 verify=64)
-    e = image_block_errors(res, block, image)
+def test_the_whole_block_on_the_image_from_the_cli(capsys):
+    """``bert-block:...,inputs=image --method block``: stages L, V, F on the image and the heads fitted from a
+    start that satisfies stage V; every part within 1e-9 on the image's directions, every query on the image
+    (the target refuses others), the stages' queries counted exactly, the model check passed."""
+    import json
+
+    from headthief.cli import main
+    from headthief.extraction.block.on_image import fit_counts
+    d, ffn = 8, 8
+    code = main(["extract", "--target", f"bert-block:d={d},heads=2,ffn={ffn},seed=21,inputs=image", "--method", "block",
+                 "--verify", "32", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["status"] == "extracted" and out["model_check"]["verdict"] == "pass"
     for key in ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "b_rel_err", "O_rel_err", "W_rel_err",
                 "c_rel_err", "ln1_gamma_rel_err", "W1_rel_err", "b1_abs_err", "W2_rel_err", "ffn_bias_rel_err"):
-        assert e[key] <= 1e-9, (key, e[key])
-    assert res.check.verdict == "pass" and res.check.figure <= res.check.threshold
-    assert "heads" in res.diagnostics["fitted"]
-    fit = sum(-(-positions // (4 * T)) for T in REFIT_LENGTHS)
-    stage_f = 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
-    assert res.diagnostics["queries_stage_V"] == 3 * 8 * (d - 2)
-    assert res.diagnostics["queries_stage_F"] == stage_f and res.diagnostics["queries_stage_A"] == fit
-    assert inner.queries == res.queries + res.check.verify_queries
+        assert out[key] <= 1e-9, (key, out[key])
+    assert out["fidelity_max_rel_err"] <= 1e-9 and "heads" in out["fitted"]
+    assert out["queries_stage_V"] == 3 * 8 * (d - 2)
+    assert out["queries_stage_F"] == 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
+    assert out["queries_stage_A"] == sum(fit_counts(d, ffn)) == 125 + 63 + 32 + 16       # 1,000 positions
+    assert out["queries"] == sum(out[f"queries_stage_{s}"] for s in "LVFA") and out["verify_queries"] == 32
+
+
+def test_the_image_route_refuses_what_it_cannot_do(capsys):
+    from headthief.cli import main
+    from headthief.errors import SpecError as SE
+    from headthief.targets import resolve
+    with pytest.raises(SE, match="inputs='x'"):
+        resolve("bert-block:d=8,heads=2,ffn=8,inputs=x")
+    code = main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "--method", "block",
+                 "--stage-f", "probes", "--json"])
+    assert code == 2 and "applies to free inputs only" in capsys.readouterr().err
+    t = resolve("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image")
+    with pytest.raises(InvalidQuery, match="off the previous LayerNorm's image"):
+        t.make_oracle().query(np.ones((1, 2, 8)))

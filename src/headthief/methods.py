@@ -388,6 +388,19 @@ def _run_block(oracle, target, args, progress, clean=None):
     heads, ffn = _block_sizes(target, args)
     if ffn is None:
         raise SpecError(f"--method block needs the FFN's width: give --ffn M ({target.spec} does not publish it)")
+    image = ((target.info or {}) if target is not None else {}).get("input_image")
+    if image is not None:                      # a block inside an encoder: every query on the previous LN's image
+        from .extraction.block.image import LayerNormImage
+        from .extraction.block.on_image import extract_block_on_image
+        heads = heads or (target.info or {}).get("heads")
+        if heads is None:
+            raise SpecError("--method block on a previous LayerNorm's image needs the head count: give --heads H")
+        if getattr(args, "stage_f", "auto") != "auto":
+            raise SpecError("--stage-f applies to free inputs only: on the image stage F reads full Jacobians")
+        kw = check_kw(args)
+        return extract_block_on_image(oracle, LayerNormImage(np.array(image["gamma"]), np.array(image["beta"])),
+                                      heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
+                                      verify=kw["verify"], check=kw["check"], progress=progress)
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"))
 

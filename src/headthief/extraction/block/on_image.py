@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,10 +36,10 @@ import numpy as np
 from ...errors import ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import cost, counters
-from ..result import rel_err
+from ..result import Fidelity, rel_err
 from .block_refit import refit_block
 from ..precision import ModelCheck
-from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, _refit_counts, block_errors, parts_of
+from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, block_errors, parts_of
 from .ffn import extract_ffn
 from .ffn_image import check_on_image, image_reader
 from .heads import Heads
@@ -49,6 +50,20 @@ from .value_sum_image import ImageValueSum, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
+
+
+@dataclass(frozen=True, eq=False)
+class ImageBlockExtraction(BlockExtraction):
+    """A :class:`~.extract.BlockExtraction` made on a previous LayerNorm's image (``image``): verified on fresh
+    image sequences and compared with a truth on the image's directions only (:func:`image_block_errors`)."""
+
+    image: LayerNormImage | None = None
+
+    def verify(self, oracle: Oracle, n: int = 256, *, rng=0, max_len: int = 16) -> Fidelity:
+        return image_fidelity(self.block, oracle, self.image, n, rng=rng, max_len=max_len)
+
+    def errors(self, truth) -> dict[str, Any]:
+        return image_block_errors(self, truth, self.image)
 
 
 def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generator):
@@ -71,25 +86,33 @@ def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generat
                      info={"recovered": True, "input_image": True})
 
 
+def fit_counts(d: int, ffn: int, positions: int | None = None) -> list[int]:
+    """Sequences per length in REFIT_LENGTHS for the fit: a quarter of ``positions`` answered positions each
+    (default ``max(1000, 8 x parameters / d)``: the fit starts from stages L, V, F's exact parts, so a quarter
+    of what the float32 refit takes is enough; measured in docs/block.md)."""
+    if positions is None:
+        params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
+        positions = max(1000, 8 * params // d)
+    return [-(-int(positions) // (len(REFIT_LENGTHS) * T)) for T in REFIT_LENGTHS]
+
+
 def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, ffn: int,
                positions: int | None) -> list:
-    """Random image sequences for the fit, as :func:`.extract._refit_sequences` counts them (or ``positions``
-    answered positions in all, a quarter per length)."""
+    """Random image sequences for the fit (:func:`fit_counts`), answered: ``[(X, Y), ...]``."""
     d = image.d
     out = []
-    counts = _refit_counts(d, ffn) if positions is None else [-(-positions // (4 * T)) for T in REFIT_LENGTHS]
-    for T, n in zip(REFIT_LENGTHS, counts):
+    for T, n in zip(REFIT_LENGTHS, fit_counts(d, ffn, positions)):
         X = image.tokens(image.points(rng, n * T)).reshape(n, T, d)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
     return out
 
 
 def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int, ffn: int,
-                           rng: np.random.Generator | int = 0, verify: int = 256, positions: int | None = None,
-                           progress=None) -> BlockExtraction:
+                           rng: np.random.Generator | int = 0, verify: int = 256, check: bool = True,
+                           positions: int | None = None, progress=None) -> BlockExtraction:
     """Stages L, V, F on the image, the heads fitted (module docstring), and the model check on ``verify``
     fresh image sequences of 1 to 16 tokens. float64 answers (the image stages' steps assume them).
-    ``positions``: answered positions for the fit (default: as ``--method block``'s refit counts them)."""
+    ``positions``: answered positions for the fit (default: :func:`fit_counts`)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     if image.d != oracle.d:
@@ -144,7 +167,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ln, vs, part, att = parts_of(block, ln, vs, part, att0)
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
-    diag = {**stages, "input": "previous LayerNorm's image", "ln2_sphere_residual": ln.sphere_residual,
+    diag = {**stages, "input": "previous LayerNorm's image",
+"ln2_sphere_residual": ln.sphere_residual,
             "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
             "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],
             "ffn_span_iterations": part.info.get("span_iterations"), "insample_rel_err": insample,
@@ -152,9 +176,11 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
             "fitted": "heads (every parameter refitted to answers of image sequences from a start that satisfies "
                       "stage V); LN2, B G, LN1 and the FFN by the stages' algebra before that fit",
             **cost(oracle, before)}
-    res = BlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att,
-                          queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
-                          diagnostics=diag, method="block (image)")
+    res = ImageBlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att,
+                               queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
+                               diagnostics=diag, method="block (image)", image=image)
+    if not check:
+        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
     return dataclasses.replace(res, check=_check(res, oracle, image, rng, verify, max(insample, one["fidelity"])))
 
 
@@ -182,6 +208,19 @@ def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: 
                       threshold=limit, verify_queries=int(n),
                       detail=f"fidelity {fid:.3g} on {n} fresh image sequences of 1 to 16 tokens (every position); "
                              f"threshold {limit:.3g}: {CHECK_FACTOR}x the parts' precision {parts:.3g}")
+
+
+def image_fidelity(block, oracle: Oracle, image: LayerNormImage, n: int, *, rng=0, max_len: int = 16) -> Fidelity:
+    """Largest error of any answered number on ``n`` fresh image sequences of 1 to ``max_len`` tokens over the
+    answers' rms (what :meth:`BlockExtraction.verify` measures for a block on the image)."""
+    rng = np.random.default_rng(rng)
+    batch = [image.tokens(image.points(rng, int(T))) for T in rng.integers(1, max_len + 1, size=n)]
+    before = oracle.queries
+    y = oracle.query_packed(batch)
+    yh = np.concatenate([block.forward(x[None])[0] for x in batch])
+    rms = float(np.sqrt(np.mean(y ** 2)))
+    err = float(np.max(np.abs(yh - y)))
+    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms, max_rel_err=err / max(rms, 1e-300))
 
 
 def image_block_errors(res: BlockExtraction, truth, image: LayerNormImage) -> dict[str, Any]:
@@ -216,4 +255,4 @@ def image_block_errors(res: BlockExtraction, truth, image: LayerNormImage) -> di
     return out
 
 
-__all__ = ["extract_block_on_image", "image_block_errors", "start_block"]
+__all__ = ["ImageBlockExtraction", "extract_block_on_image", "image_block_errors", "image_fidelity", "start_block"]
