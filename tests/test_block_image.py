@@ -142,7 +142,9 @@ def test_the_whole_block_on_the_image_from_the_cli(capsys):
     assert out["queries_stage_V"] == 3 * 8 * (d - 2)
     assert out["queries_stage_F"] == 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
     assert out["queries_stage_A"] == sum(fit_counts(d, ffn)) == 125 + 63 + 32 + 16       # 1,000 positions
-    assert out["queries"] == sum(out[f"queries_stage_{s}"] for s in "LVFA") and out["verify_queries"] == 32
+    stages = ("L", "activation", "V", "F", "A")
+    assert out["queries"] == sum(out[f"queries_stage_{s}"] for s in stages) and out["verify_queries"] == 32
+    assert out["activation_ratio"] > 9
 
 
 def test_the_image_route_refuses_what_it_cannot_do(capsys):
@@ -154,6 +156,9 @@ def test_the_image_route_refuses_what_it_cannot_do(capsys):
     code = main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "--method", "block",
                  "--stage-f", "probes", "--json"])
     assert code == 2 and "applies to free inputs only" in capsys.readouterr().err
+    code = main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=1,act=relu,inputs=image", "--method",
+                 "block", "--json"])
+    assert code == 5 and "kinked" in capsys.readouterr().out                  # ReLU where GELU is assumed
     t = resolve("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image")
     with pytest.raises(InvalidQuery, match="off the previous LayerNorm's image"):
         t.make_oracle().query(np.ones((1, 2, 8)))

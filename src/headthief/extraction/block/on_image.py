@@ -4,6 +4,7 @@ Inside an encoder, block k + 1 only ever reads points of block k's output LayerN
 The stages:
 
 1. **L** (:mod:`.layernorm`): LN2's gamma and beta from answers to sequences of image tokens (exact);
+   then the activation check (:mod:`.smoothness`) along great circles of the image;
 2. **V** (:mod:`.value_sum_image`): ``K = P B G`` and ``c = P (B beta_p + b)`` from great-circle Jacobians
    (a bilinear least squares, exact to the stencils' precision);
 3. **F** (:mod:`.ffn_image`): LN1 and every GELU neuron through ``dm/dn`` (exact algebra as stage F), then
@@ -45,6 +46,7 @@ from .ffn_image import check_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
+from .smoothness import check_smooth_activation
 from .value_sum import ValueSum, centre, with_map
 from .value_sum_image import ImageValueSum, value_sum_on_image
 
@@ -145,6 +147,9 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                         "on the image is built for float64 answers only")
     mark("L", q0)
     q0 = oracle.queries
+    act = check_smooth_activation(oracle, rng, precision=eps, image=image)
+    mark("activation", q0)
+    q0 = oracle.queries
     ivs = value_sum_on_image(oracle, image, rng, precision=eps)
     mark("V", q0)
     q0 = oracle.queries
@@ -167,7 +172,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ln, vs, part, att = parts_of(block, ln, vs, part, att0)
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
-    diag = {**stages, "input": "previous LayerNorm's image",
+    diag = {**stages, "input": "previous LayerNorm's image", "activation_ratio": act.ratio,
 "ln2_sphere_residual": ln.sphere_residual,
             "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
             "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],

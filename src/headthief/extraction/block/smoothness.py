@@ -45,10 +45,12 @@ def _fourth(Z: np.ndarray) -> np.ndarray:
 
 
 def check_smooth_activation(oracle: Oracle, rng: np.random.Generator, *, precision: float,
-                            scale: float | None = None, circles: int = CIRCLES) -> Smoothness:
-    """One-token answers along ``circles`` great circles of tokens of norm ``scale`` (default sqrt(d));
-    raises :class:`ModelMismatch` when they are kinked (a ReLU, or any piecewise-linear activation,
-    where the block method assumes GELU). ``precision``: the answers' relative precision."""
+                            scale: float | None = None, circles: int = CIRCLES, image=None) -> Smoothness:
+    """One-token answers along ``circles`` great circles of tokens of norm ``scale`` (default sqrt(d)), or,
+    with ``image`` (a :class:`~.image.LayerNormImage`), of the previous LayerNorm's image (``image.tokens``
+    of great circles of mean-zero n, ``|n| = sqrt(d)``); raises :class:`ModelMismatch` when they are kinked
+    (a ReLU, or any piecewise-linear activation, where the block method assumes GELU). ``precision``: the
+    answers' relative precision."""
     d = oracle.d
     s = float(np.sqrt(d)) if scale is None else float(scale)
     eps = max(float(precision), 1e-16)
@@ -57,8 +59,12 @@ def check_smooth_activation(oracle: Oracle, rng: np.random.Generator, *, precisi
     t = 2 * np.pi * np.arange(K) / K
     ratios = []
     for _ in range(circles):
-        E, _ = np.linalg.qr(rng.standard_normal((d, 2)))
-        X = s * (np.cos(t)[:, None] * E[:, 0] + np.sin(t)[:, None] * E[:, 1])
+        if image is None:
+            E, _ = np.linalg.qr(rng.standard_normal((d, 2)))
+            X = s * (np.cos(t)[:, None] * E[:, 0] + np.sin(t)[:, None] * E[:, 1])
+        else:
+            E, _ = np.linalg.qr(np.column_stack([np.ones(d), rng.standard_normal((d, 2))]))
+            X = image.tokens(np.sqrt(d) * (np.cos(t)[:, None] * E[:, 1] + np.sin(t)[:, None] * E[:, 2]))
         Y = np.asarray(oracle.query_packed(X[:, None, :]))
         fine = float(np.abs(_fourth(Y)).max())
         ratios.append(float(np.abs(_fourth(Y[::2])).max()) / max(fine, 1e-300))
