@@ -46,7 +46,8 @@ def one(d: int, heads: int, ffn: int, seed: int) -> dict:
     row: dict = {"seed": seed}
     try:
         k = -(-(2 * d + 8) // 16)
-        ln = fit_output_layernorm(np.asarray(oracle.query_packed(image.tokens(image.points(rng, 16 * k)).reshape(k, 16, d))))
+        X = image.tokens(image.points(rng, 16 * k)).reshape(k, 16, d)
+        ln = fit_output_layernorm(np.asarray(oracle.query_packed(X)))
         ivs = value_sum_on_image(oracle, image, rng, precision=ln.sphere_residual)
         B, b = block.value_output_sum()
         P = np.eye(d) - 1.0 / d
@@ -87,7 +88,8 @@ def whole(d: int, heads: int, ffn: int, seed: int) -> dict:
         res = extract_block_on_image(ImageGuard(inner, image), image, heads=heads, ffn=ffn, rng=seed)
         e = image_block_errors(res, block, image)
         parts = [k for k in e if k.endswith("_err")]
-        row.update(worst_part=max(float(e[k]) for k in parts), heads=max(e["O_rel_err"], e["W_rel_err"], e["c_rel_err"]),
+        row.update(worst_part=max(float(e[k]) for k in parts),
+                   heads=max(e["O_rel_err"], e["W_rel_err"], e["c_rel_err"]),
                    ffn=max(e["W1_rel_err"], e["W2_rel_err"]), fit_rms=res.diagnostics["block_refit_rms_after"],
                    fit_steps=res.diagnostics["block_refit_iterations"], fidelity=res.check.figure, result="ok")
     except HeadthiefError as e:
@@ -107,7 +109,8 @@ def main() -> None:
     a = ap.parse_args()
     cols = ("seed", "K", "c", "lm_steps", "gamma1", "neurons", "fidelity", "queries", "seconds", "result")
     if a.whole:
-        cols = ("seed", "worst_part", "heads", "ffn", "fit_rms", "fit_steps", "fidelity", "queries", "seconds", "result")
+        cols = ("seed", "worst_part", "heads", "ffn", "fit_rms", "fit_steps", "fidelity", "queries", "seconds",
+                "result")
     if not a.json:
         print(f"random_block({a.d}, {a.heads}, {a.ffn}), float64, every query on the previous LayerNorm's image")
         print(" ".join(f"{k:>9}" for k in cols))

@@ -108,7 +108,8 @@ def test_the_guard_and_bad_input():
     with pytest.raises(ValueError, match="one length"):
         LayerNormImage(np.ones(D), np.zeros(D + 1))
     with pytest.raises(ValueError, match="the image has d = 12"):
-        value_sum_on_image(ModelOracle(random_block(16, 2, 8, seed=8)), image, np.random.default_rng(0), precision=1e-15)
+        value_sum_on_image(ModelOracle(random_block(16, 2, 8, seed=8)), image, np.random.default_rng(0),
+                           precision=1e-15)
     from headthief.targets import resolve
     with pytest.raises(SpecError, match="needs vector answers"):
         value_sum_on_image(resolve("random:d=12,seed=1").make_oracle(), image, np.random.default_rng(0),

@@ -15,7 +15,11 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
   L-BFGS to answers of random tokens and sequences;
 * :mod:`.extract`: ``--method block``, the stages in order, the assembled block and its model check;
 * :mod:`.embeddings` (the encoder's stage E): LN_emb and the position offsets from ``hidden_states[0]``,
-  and inputs_embeds that put any wanted point of LN_emb's image into block 0.
+  and inputs_embeds that put any wanted point of LN_emb's image into block 0;
+* on the previous LayerNorm's image only (a block inside an encoder, ``bert-block:...,inputs=image``):
+  :mod:`.image` (the image, its great circles, a guard refusing other tokens), :mod:`.value_sum_image`
+  (stage V from great-circle Jacobians), :mod:`.ffn_image` (stage F through ``dm/dn``) and
+  :mod:`.on_image` (the whole block: those stages, then the heads fitted to answers of image sequences).
 
 Not built: ``--method encoder`` (the inversion of extracted blocks); stage V refuses MiniLM's float32
 one-token Jacobian, and stage A's reads and both refits have not been scaled to d = 384. See ``docs/block.md``.
@@ -26,10 +30,13 @@ from .extract import BlockExtraction, extract_block
 from .heads import Heads, extract_heads
 from .ffn import FFNPart, check_one_token, extract_ffn, predict_one_token
 from .ffn_probes import extract_ffn_probes
+from .image import ImageGuard, LayerNormImage
 from .layernorm import OutputLayerNorm, fit_output_layernorm
+from .on_image import ImageBlockExtraction, extract_block_on_image
 from .smoothness import Smoothness, check_smooth_activation
 from .value_sum import ValueSum, centre, value_sum
 
-__all__ = ["BlockExtraction", "Embeddings", "Heads", "extract_block", "extract_heads", "FFNPart", "OutputLayerNorm", "check_one_token", "embedding_stage", "extract_ffn", "extract_ffn_probes",
-           "predict_one_token", "Smoothness", "ValueSum", "centre", "check_smooth_activation", "fit_output_layernorm",
-           "value_sum"]
+__all__ = ["BlockExtraction", "Embeddings", "Heads", "ImageBlockExtraction", "ImageGuard", "LayerNormImage",
+           "extract_block", "extract_block_on_image", "extract_heads", "FFNPart", "OutputLayerNorm", "check_one_token",
+           "embedding_stage", "extract_ffn", "extract_ffn_probes", "predict_one_token", "Smoothness", "ValueSum",
+           "centre", "check_smooth_activation", "fit_output_layernorm", "value_sum"]

@@ -225,7 +225,8 @@ def image_fidelity(block, oracle: Oracle, image: LayerNormImage, n: int, *, rng=
     yh = np.concatenate([block.forward(x[None])[0] for x in batch])
     rms = float(np.sqrt(np.mean(y ** 2)))
     err = float(np.max(np.abs(yh - y)))
-    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms, max_rel_err=err / max(rms, 1e-300))
+    return Fidelity(n=n, queries=oracle.queries - before, max_abs_err=err, rms_true=rms,
+                    max_rel_err=err / max(rms, 1e-300))
 
 
 def image_block_errors(res: BlockExtraction, truth, image: LayerNormImage) -> dict[str, Any]:
