@@ -398,10 +398,11 @@ def tolerances(precision: float, d: int) -> tuple[float, float]:
 
 def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
-                max_iter: int = 300, progress=None, reader=None) -> FFNPart:
+                max_iter: int = 300, progress=None, reader=None, start: bool = False) -> FFNPart:
     """Stage F (see the module docstring) for a block of FFN width ``ffn``. ``reader(rng, T)``, if given,
     reads the T Jacobians instead of :func:`jacobians` (same returns; the image route:
-    :func:`~.ffn_image.image_reader`)."""
+    :func:`~.ffn_image.image_reader`). ``start``: the result is only the start of a fit, so a span that
+    stalls above its tolerance is kept (its best iterate) instead of refused."""
     d = oracle.d
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
     J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
@@ -409,7 +410,7 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
     Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
-                                    best_on_stall=coarse)
+                                    best_on_stall=coarse or start)
     pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
     coef = coefficients(lifted, gam, pairs)

@@ -41,8 +41,7 @@ from ..result import Fidelity, rel_err
 from .block_refit import refit_block
 from ..precision import ModelCheck
 from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, block_errors, parts_of
-from .ffn import extract_ffn
-from .ffn_image import check_on_image, image_reader
+from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
@@ -52,6 +51,8 @@ from .value_sum_image import ImageValueSum, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
+FLOAT64 = 1e-10         # LN2's sphere residual at most this: float64 answers (measured 3e-13 .. 1.5e-12)
+EPS = 1e-15             # the stencils' precision for float64 answers (the free-input stages' validated floor)
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,10 +142,10 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     X_ln = image.tokens(image.points(rng, k * LN_LENGTH)).reshape(k, LN_LENGTH, d)
     Y = np.asarray(oracle.query_packed(X_ln))
     ln = fit_output_layernorm(Y)
-    eps = max(float(ln.sphere_residual), 1e-15)
-    if eps > 1e-12:
+    if ln.sphere_residual > FLOAT64:
         raise SpecError(f"the answers are coarse (LN2's sphere residual {ln.sphere_residual:.2g}): the block method "
                         "on the image is built for float64 answers only")
+    eps = EPS
     mark("L", q0)
     q0 = oracle.queries
     act = check_smooth_activation(oracle, rng, precision=eps, image=image)
@@ -153,7 +154,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ivs = value_sum_on_image(oracle, image, rng, precision=eps)
     mark("V", q0)
     q0 = oracle.queries
-    part = extract_ffn(oracle, ln, None, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps))
+    part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps))
     one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
     mark("F", q0)
     q0 = oracle.queries
@@ -176,7 +177,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
 "ln2_sphere_residual": ln.sphere_residual,
             "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
             "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],
-            "ffn_span_iterations": part.info.get("span_iterations"), "insample_rel_err": insample,
+            "ffn_span_iterations": part.info.get("span_iterations"), "ffn_attempts": part.info.get("attempts"), "insample_rel_err": insample,
             **{k: v for k, v in fit.items()},
             "fitted": "heads (every parameter refitted to answers of image sequences from a start that satisfies "
                       "stage V); LN2, B G, LN1 and the FFN by the stages' algebra before that fit",
