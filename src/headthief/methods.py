@@ -420,6 +420,33 @@ METHODS["block"] = Method(
     "start of least-squares refits to answers of random tokens and sequences (--heads H|auto, --ffn M)")
 
 
+def _run_encoder(oracle, target, args, progress, clean=None):
+    from .extraction.block.encoder import extract_encoder
+    info = (target.info or {}) if target is not None else {}
+    heads, ffn = _block_sizes(target, args)
+    heads = heads or info.get("heads")
+    layers = info.get("layers") or info.get("n_layers")
+    if heads is None or ffn is None or layers is None:
+        raise SpecError("--method encoder needs the head count, the FFN's width and the number of layers "
+                        f"(--heads H, --ffn M; {target.spec} does not publish them)")
+    if oracle.d_out != (int(layers) + 1) * oracle.d:
+        raise SpecError(f"--method encoder reads every layer's hidden states; {target.spec} answers {oracle.d_out} numbers "
+                        f"per position, not (layers + 1) x d = {(int(layers) + 1) * oracle.d}. With only the last "
+                        "layer's states the inputs and outputs of blocks 0..L-2 are never seen, and this method does "
+                        "not apply (see docs/block.md)")
+    kw = check_kw(args)
+    return extract_encoder(oracle, layers=int(layers), heads=int(heads), ffn=int(ffn), rng=np.random.default_rng(args.seed),
+                           length=min(16, int(info.get("positions", 16))), verify=kw["verify"], check=kw["check"],
+                           check_rng=kw["check_rng"], progress=progress)
+
+
+METHODS["encoder"] = Method(
+    _run_encoder, lambda t, a: None,
+    "ours: a whole BERT encoder queried with inputs_embeds, every layer's hidden states answered (float64): the "
+    "embeddings' LayerNorm and position offsets, then each block from forward paths (its inputs observed, never "
+    "inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's image (--heads, --ffn)")
+
+
 def _run_rope(oracle, target, args, progress, clean=None):
     from .extraction.rope import extract_rope
     return extract_rope(oracle, **check_kw(args), heads=_heads_arg(args), rng=np.random.default_rng(args.seed),
@@ -441,7 +468,7 @@ METHODS["rope"] = Method(
     "head's O_h and the key/value groups, attention weights read against zero tokens for the query/key spaces "
     "and the score form at each offset, theta from the rotation's eigenvalues (--max-len: longest query, "
     "default 16; --verify-len: the check's fresh sequences, default 64)")
-VECTOR_METHODS = {"vector", "block", "rope"}
+VECTOR_METHODS = {"vector", "block", "rope", "encoder"}
 
 
 # Methods whose oracle has an input-norm bound by default (R = 1): under noise, a bound on ||x_i|| is

