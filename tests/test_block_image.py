@@ -46,7 +46,7 @@ def test_value_sum_on_the_image_is_exact(seed, output):
     assert ivs.residual <= 1e-9
 
 
-@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("seed", [4])
 def test_stage_f_on_the_image_recovers_ln1_and_every_neuron(seed):
     block = random_block(D, H, FFN, seed=seed)
     image = _image(D, seed)

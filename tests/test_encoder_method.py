@@ -1,0 +1,51 @@
+"""``--method encoder`` (issue 19) on random float64 encoders answering every layer's hidden states: the
+embeddings' LayerNorm and offsets, then every block from forward paths, against the truth."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from headthief.cli import main
+
+
+def test_a_two_block_encoder_from_the_cli(tmp_path, capsys):
+    """Every part of both blocks within 1e-9 of the truth (on each block's previous LayerNorm's image), the
+    reassembled encoder within 1e-9 on fresh inputs_embeds, the queries accounted for, the file written."""
+    pytest.importorskip("safetensors")
+    from headthief.models.encoder_export import read_bert_encoder
+    out_file = tmp_path / "encoder.safetensors"
+    code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1", "--method", "encoder",
+                 "--verify", "32", "--json", "--save", str(out_file)])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["status"] == "extracted" and row["model_check"]["verdict"] == "pass"
+    assert len(row["per_block"]) == 2
+    for block in row["per_block"]:
+        assert max(block.values()) <= 1e-9, block
+    assert row["worst_rel_err"] <= 1e-9 and row["offsets_rel_err"] <= 1e-9
+    assert row["fidelity_max_rel_err"] <= 1e-9 and row["verify_queries"] == 32
+    assert row["queries"] == 3 + row["queries_block_0"] + row["queries_block_1"]      # stage E: 3 sequences
+    tensors, meta = read_bert_encoder(out_file)
+    assert meta["layers"] == "2" and meta["heads"] == "2"
+    assert any(k.startswith("encoder.layer.1.") for k in tensors)
+
+
+def test_the_last_layer_only_is_refused_with_the_reason(capsys):
+    code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1,hidden=last", "--method",
+                 "encoder", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "never seen" in err
+
+
+def test_the_encoder_target_bad_input():
+    from headthief.errors import SpecError
+    from headthief.targets import resolve
+    with pytest.raises(SpecError, match="does not divide"):
+        resolve("bert-encoder:d=8,heads=3,ffn=8,layers=2")
+    with pytest.raises(SpecError, match="hidden='x'"):
+        resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,hidden=x")
+    t = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=3,seed=2")
+    y = np.asarray(t.make_oracle().query(np.ones((1, 4, 8))))
+    assert y.shape == (1, 4, 4 * 8)                                   # every layer's states: (3 + 1) x d
