@@ -46,9 +46,8 @@ from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivati
 from .value_sum_image import ImageValueSum, _Fit
 from ..result import Fidelity
 
-MAX_DRAWS = 50
+DRAWS = 4               # stage F: candidate points per point kept, at most (each costs its stencil)
 MODEL = "a post-LN BERT encoder (embeddings' LayerNorm, then blocks), every layer's hidden states answered"
-PATH_CONDITION = 30     # stage F: largest condition number of the observed input moves at a point
 
 
 class _Paths:
@@ -213,16 +212,14 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
 
     def read(rng, points: int):
         Js, ms, ns, q = [], [], [], 0
-        for _ in range(MAX_DRAWS):
+        for _ in range(DRAWS):                                              # at most DRAWS x points candidates
             for n0 in img0.points(rng, points):
                 dX, dY, x, y, _, _, qq = _tangent_moves(paths, k, img0.tokens(n0[None])[0], rng, h)
                 q += qq
                 n = image.normalized(x[None])[0]
-                Tn = dX / image.gamma[:, None]                              # the observed moves, n-coordinates
-                D = _dm(ivs, n, Tn)
+                D = _dm(ivs, n, dX / image.gamma[:, None])                  # the observed moves, n-coordinates
                 S = np.linalg.svd(D, compute_uv=False)
-                St = np.linalg.svd(Tn, compute_uv=False)
-                if S[-1] * PATH_CONDITION < S[0] or St[-1] * PATH_CONDITION < St[0]:
+                if S[-1] * MAX_CONDITION < S[0]:
                     continue                                                # near a fold (of LN1's or earlier blocks')
                 Jn = dY / ln.gamma[:, None]                                 # d(normalised answer)/ds
                 Js.append(Jn @ np.linalg.pinv(D))
@@ -232,7 +229,8 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
                 ns.append(u / np.linalg.norm(u))
                 if len(Js) == points:
                     return np.array(Js), np.array(ms), np.array(ns), q
-        raise NotIdentifiable(f"block {k}: too few points with dm/dn conditioned better than {MAX_CONDITION:g}")
+        raise NotIdentifiable(f"block {k}: fewer than {points} of {DRAWS * points} points have dm/dn conditioned better "
+                              f"than {MAX_CONDITION:g}: block {k}'s inputs reach too little of its LN1's sphere")
 
     return read
 
