@@ -430,13 +430,13 @@ def _run_encoder(oracle, target, args, progress, clean=None):
         raise SpecError("--method encoder needs the head count, the FFN's width and the number of layers "
                         f"(--heads H, --ffn M; {target.spec} does not publish them)")
     if oracle.d_out != (int(layers) + 1) * oracle.d:
-        raise SpecError(f"--method encoder reads every layer's hidden states; {target.spec} answers {oracle.d_out} numbers "
-                        f"per position, not (layers + 1) x d = {(int(layers) + 1) * oracle.d}. With only the last "
+        raise SpecError(f"--method encoder reads every layer's hidden states; {target.spec} answers {oracle.d_out} "
+                        f"numbers per position, not (layers + 1) x d = {(int(layers) + 1) * oracle.d}. With only the last "
                         "layer's states the inputs and outputs of blocks 0..L-2 are never seen, and this method does "
                         "not apply (see docs/block.md)")
     kw = check_kw(args)
-    return extract_encoder(oracle, layers=int(layers), heads=int(heads), ffn=int(ffn), rng=np.random.default_rng(args.seed),
-                           length=min(16, int(info.get("positions", 16))), verify=kw["verify"], check=kw["check"],
+    return extract_encoder(oracle, layers=int(layers), heads=int(heads), ffn=int(ffn),
+                           rng=np.random.default_rng(args.seed), length=min(16, int(info.get("positions", 16))), verify=kw["verify"], check=kw["check"],
                            check_rng=kw["check_rng"], progress=progress)
 
 

@@ -420,5 +420,5 @@ def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:
                    blocks=blocks, hidden=hidden, dtype=dtype, info={"model": MODEL_NAME})
 
 
-__all__ = ["BertBlock", "Encoder", "random_block", "random_encoder", "from_minilm", "minilm_encoder", "gelu", "gelu_prime",
-           "layer_norm", "BERT_EPS"]
+__all__ = ["BertBlock", "Encoder", "random_block", "random_encoder", "from_minilm", "minilm_encoder", "gelu",
+           "gelu_prime", "layer_norm", "BERT_EPS"]

@@ -189,7 +189,8 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
         Yb = dY @ np.linalg.lstsq(T1, T2, rcond=None)[0]                 # J_one on the basis T2
         Sv = np.linalg.svd(Z, compute_uv=False)
         if Sv[-1] <= RANK_MARGIN * expected * Sv[0]:
-            raise NotIdentifiable(f"block {k}: the pair Jacobian's smallest of d - 2 singular values ({Sv[-1] / Sv[0]:.3g} "
+            raise NotIdentifiable(f"block {k}: the pair Jacobian's smallest of d - 2 singular values "
+                                  f"({Sv[-1] / Sv[0]:.3g} "
                                   "of the largest) is too small at this answer precision")
         cond = min(cond, float(Sv[-1] / Sv[0]))
         data.append((nx, T2, np.linalg.lstsq(Z, Yb, rcond=None)[0]))
@@ -229,8 +230,8 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
                 ns.append(u / np.linalg.norm(u))
                 if len(Js) == points:
                     return np.array(Js), np.array(ms), np.array(ns), q
-        raise NotIdentifiable(f"block {k}: fewer than {points} of {DRAWS * points} points have dm/dn conditioned better "
-                              f"than {MAX_CONDITION:g}: block {k}'s inputs reach too little of its LN1's sphere")
+        raise NotIdentifiable(f"block {k}: fewer than {points} of {DRAWS * points} points have dm/dn conditioned "
+                              f"better than {MAX_CONDITION:g}: block {k}'s inputs reach too little of its LN1's sphere")
 
     return read
 
@@ -267,7 +268,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     paths = _Paths(oracle, emb, layers)
     image = paths.image
     blocks, per, figures = [], [], []
-    from .extract import BlockExtraction, parts_of
+    from .extract import parts_of
     from .heads import Heads
     from .on_image import ImageBlockExtraction
     from .value_sum import ValueSum, with_map

@@ -46,7 +46,7 @@ from .heads import Heads
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
 from .smoothness import check_smooth_activation
-from .value_sum import ValueSum, centre, with_map
+from .value_sum import ValueSum, with_map
 from .value_sum_image import ImageValueSum, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
@@ -177,7 +177,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
 "ln2_sphere_residual": ln.sphere_residual,
             "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
             "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],
-            "ffn_span_iterations": part.info.get("span_iterations"), "ffn_attempts": part.info.get("attempts"), "insample_rel_err": insample,
+            "ffn_span_iterations": part.info.get("span_iterations"), "ffn_attempts": part.info.get("attempts"),
+            "insample_rel_err": insample,
             **{k: v for k, v in fit.items()},
             "fitted": "heads (every parameter refitted to answers of image sequences from a start that satisfies "
                       "stage V); LN2, B G, LN1 and the FFN by the stages' algebra before that fit",
