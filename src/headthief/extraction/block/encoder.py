@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ModelMismatch, NotIdentifiable, SpecError
+from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output, unpack
 from ...oracles.base import Oracle
 from .block_refit import refit_block
@@ -43,7 +43,7 @@ from .layernorm import fit_output_layernorm
 from .on_image import EPS, FLOAT64, HEADS, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
 from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivative
-from .value_sum_image import ImageValueSum, _Fit
+from .value_sum_image import ImageValueSum, _Fit, retrying
 from ..result import Fidelity
 
 DRAWS = 4               # stage F: candidate points per point kept, at most (each costs its stencil)
@@ -198,6 +198,8 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
     Qm = fit.Qm
     A_, a_, cost, iters, settled = fit.solve(Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta)
     res = float(np.sqrt(cost) / max(fit.scale(), 1e-300))
+    if res > CONSISTENCY * expected and not settled:
+        raise ConvergenceError(f"block {k}: stage V did not settle (relative residual {res:.3g})")
     if res > CONSISTENCY * expected:
         raise ModelMismatch(f"block {k}: the Jacobians are not those of one post-LN block (relative residual {res:.3g} "
                             f"> {CONSISTENCY:g} x {expected:.2g})", check="value-sum (encoder)", figure=res,
@@ -281,12 +283,15 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
             raise SpecError(f"block {k}: coarse answers (sphere residual {ln.sphere_residual:.2g}): float64 only")
         eps = EPS
         act = check_smooth_activation(_BlockView(paths, k), rng, precision=eps, image=paths.image)
-        ivs = _value_sum(paths, k, image, rng, eps)
+        ivs = retrying(lambda: _value_sum(paths, k, image, rng, eps))
         # behind earlier blocks the paths' Jacobians are good to ~1e-9, not 1e-13 (measured: the span stalled
         # at 4e-9 .. 7e-8 on 3 of 8 draws at d = 8), so stage F is a start there (a stalled span is kept) and
         # the fit below polishes it with every other parameter
-        part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=_ffn_reader(paths, k, ln, ivs, eps),
-                                    start=k > 0)
+        try:
+            part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=_ffn_reader(paths, k, ln, ivs, eps),
+                                        start=k > 0)
+        except (ConvergenceError, NotIdentifiable) as e:
+            raise type(e)(f"block {k}, stage F: {e}") from e
         start = start_block(ln, ivs, part, int(heads), rng)
         groups = _pairs(paths, k, rng, fit_counts(d, int(ffn), positions)[:len(lens)], lens)
         block, first = refit_block(start, groups, free=HEADS)

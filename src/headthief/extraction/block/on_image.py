@@ -47,7 +47,7 @@ from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
 from .smoothness import check_smooth_activation
 from .value_sum import ValueSum, with_map
-from .value_sum_image import ImageValueSum, value_sum_on_image
+from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
@@ -151,7 +151,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     act = check_smooth_activation(oracle, rng, precision=eps, image=image)
     mark("activation", q0)
     q0 = oracle.queries
-    ivs = value_sum_on_image(oracle, image, rng, precision=eps)
+    ivs = retrying(lambda: value_sum_on_image(oracle, image, rng, precision=eps))
     mark("V", q0)
     q0 = oracle.queries
     part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps))
