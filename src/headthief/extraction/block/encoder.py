@@ -46,6 +46,8 @@ from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivati
 from .value_sum_image import ImageValueSum, _Fit, retrying
 from ..result import Fidelity
 
+POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
+                         # neuron search failed on 5 of 14 d = 8 encoders (300..313) and 10 passed 3 of 3 of them
 DRAWS = 4               # stage F: candidate points per point kept, at most (each costs its stencil)
 MODEL = "a post-LN BERT encoder (embeddings' LayerNorm, then blocks), every layer's hidden states answered"
 
@@ -289,7 +291,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         # the fit below polishes it with every other parameter
         try:
             part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=_ffn_reader(paths, k, ln, ivs, eps),
-                                        start=k > 0)
+                                        start=k > 0, points=POINTS * (int(ffn) + 1))
         except (ConvergenceError, NotIdentifiable) as e:
             raise type(e)(f"block {k}, stage F: {e}") from e
         start = start_block(ln, ivs, part, int(heads), rng)

@@ -88,7 +88,8 @@ TRIES = 3                 # stage F on the image: fresh points after a span or n
 
 
 def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Generator, *, ffn: int, reader,
-                         start: bool = False, precision: float = 1e-15, tries: int = TRIES) -> FFNPart:
+                         start: bool = False, precision: float = 1e-15, tries: int = TRIES,
+                         points: int | None = None) -> FFNPart:
     """:func:`.ffn.extract_ffn` with ``reader``, tried again at fresh points when its span does not settle or
     its neuron search fails (measured: 1 of 8 draws at d = 8, ffn = 8 on one block; the image's reachable cap
     makes some point sets poor). ``info["attempts"]`` says how many were needed; the last error is raised
@@ -96,7 +97,8 @@ def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Gen
     last = None
     for attempt in range(1, tries + 1):
         try:
-            part = extract_ffn(oracle, ln, None, rng, ffn=ffn, reader=reader, start=start, precision=precision)
+            part = extract_ffn(oracle, ln, None, rng, ffn=ffn, reader=reader, start=start, precision=precision,
+                               points=points)
         except (ConvergenceError, NotIdentifiable) as e:
             last = e
             continue
