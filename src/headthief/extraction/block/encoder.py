@@ -47,7 +47,7 @@ from .value_sum_image import ImageValueSum, _Fit, retrying
 from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
-                         # neuron search failed on 5 of 14 d = 8 encoders (300..313) and 10 passed 3 of 3 of them
+                         # neuron search failed on 6 of 19 d = 8 encoders (300..318); 10 passed 3 of 3 of them
 DRAWS = 4               # stage F: candidate points per point kept, at most (each costs its stencil)
 MODEL = "a post-LN BERT encoder (embeddings' LayerNorm, then blocks), every layer's hidden states answered"
 
