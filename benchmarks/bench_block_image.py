@@ -3,9 +3,9 @@ encoder): stage L, stage V from great-circle Jacobians (``block/value_sum_image.
 its Jacobians through dm/dn (``block/ffn_image.py``), every query behind ``ImageGuard`` (a token off the
 image would be refused), against the truth of random float64 blocks.
 
-The previous LayerNorm is drawn as ``random_block`` draws its own (gamma ~ 1 + N(0, 0.1^2), beta ~
-N(0, 0.05^2), from ``default_rng(1000 + seed)``). One row per block: relative errors of K = P B G (over
-max |K|) and c = P (B beta_p + b), the Levenberg-Marquardt steps of stage V and its relative residual,
+The previous LayerNorm is ``image.random_image(d, seed)`` (as ``bert-block:...,seed=S,inputs=image`` draws
+it: gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2), from ``default_rng(1000 + seed)``). One row per block:
+relative errors of K = P B G (over max |K|) and c = P (B beta_p + b), the Levenberg-Marquardt steps of stage V and its relative residual,
 LN1's gamma (up to the block's global scale), the worst neuron (W_1 row, b_1, W_2 column, relative), the
 one-token fidelity on fresh image tokens, queries and seconds. ``--whole``: the whole block
 (``block/on_image.py``: the heads fitted), with every part's error on the image's directions
@@ -29,7 +29,7 @@ import numpy as np
 from headthief.errors import HeadthiefError
 from headthief.extraction.block import centre, extract_ffn, fit_output_layernorm
 from headthief.extraction.block.ffn_image import check_on_image, image_reader
-from headthief.extraction.block.image import ImageGuard, LayerNormImage
+from headthief.extraction.block.image import ImageGuard, random_image
 from headthief.extraction.block.value_sum_image import value_sum_on_image
 from headthief.models.bert_block import random_block
 from headthief.oracles.base import ModelOracle
@@ -38,8 +38,7 @@ from headthief.oracles.base import ModelOracle
 def one(d: int, heads: int, ffn: int, seed: int) -> dict:
     t0 = time.perf_counter()
     block = random_block(d, heads, ffn, seed=seed)
-    r = np.random.default_rng(1000 + seed)
-    image = LayerNormImage(1.0 + 0.1 * r.standard_normal(d), 0.05 * r.standard_normal(d))
+    image = random_image(d, seed)
     inner = ModelOracle(block)
     oracle = ImageGuard(inner, image)
     rng = np.random.default_rng(seed)
@@ -80,8 +79,7 @@ def whole(d: int, heads: int, ffn: int, seed: int) -> dict:
     from headthief.extraction.block.on_image import extract_block_on_image, image_block_errors
     t0 = time.perf_counter()
     block = random_block(d, heads, ffn, seed=seed)
-    r = np.random.default_rng(1000 + seed)
-    image = LayerNormImage(1.0 + 0.1 * r.standard_normal(d), 0.05 * r.standard_normal(d))
+    image = random_image(d, seed)
     inner = ModelOracle(block)
     row: dict = {"seed": seed}
     try:

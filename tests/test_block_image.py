@@ -8,7 +8,7 @@ import pytest
 
 from headthief.errors import InvalidQuery, ModelMismatch, SpecError
 from headthief.extraction.block import centre
-from headthief.extraction.block.image import ImageGuard, LayerNormImage
+from headthief.extraction.block.image import ImageGuard, LayerNormImage, random_image
 from headthief.extraction.block.value_sum_image import value_sum_on_image
 from headthief.models.bert_block import random_block
 from headthief.models.mha import _assemble, _groups
@@ -16,12 +16,6 @@ from headthief.oracles.answers import Output
 from headthief.oracles.base import ModelOracle
 
 D, H, FFN = 12, 2, 24
-
-
-def _image(d, seed):
-    """A previous LayerNorm as random_block draws them: gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2)."""
-    rng = np.random.default_rng(1000 + seed)
-    return LayerNormImage(1.0 + 0.1 * rng.standard_normal(d), 0.05 * rng.standard_normal(d))
 
 
 def _truth(block, image):
@@ -34,7 +28,7 @@ def _truth(block, image):
 @pytest.mark.parametrize("seed, output", [(1, "all"), (2, "all"), (3, "last")])
 def test_value_sum_on_the_image_is_exact(seed, output):
     block = random_block(D, H, FFN, seed=seed, output=output)
-    image = _image(D, seed)
+    image = random_image(D, seed)
     inner = ModelOracle(block)
     ivs = value_sum_on_image(ImageGuard(inner, image), image, np.random.default_rng(seed), precision=1e-15)
     K, c = _truth(block, image)
@@ -59,7 +53,7 @@ class _Stack:
 
 
 def test_two_blocks_on_the_image_are_a_mismatch():
-    image = _image(D, 6)
+    image = random_image(D, 6)
     stack = _Stack(random_block(D, H, FFN, seed=6), random_block(D, H, FFN, seed=7))
     with pytest.raises(ModelMismatch, match="not one post-LN block") as e:
         value_sum_on_image(ImageGuard(ModelOracle(stack), image), image, np.random.default_rng(6), precision=1e-15)
@@ -68,7 +62,7 @@ def test_two_blocks_on_the_image_are_a_mismatch():
 
 def test_the_guard_and_bad_input():
     block = random_block(D, H, FFN, seed=8)
-    image = _image(D, 8)
+    image = random_image(D, 8)
     inner = ModelOracle(block)
     guard = ImageGuard(inner, image)
     n = image.points(np.random.default_rng(8), 3)
@@ -89,7 +83,7 @@ def test_the_guard_and_bad_input():
                            precision=1e-15)
     big = ModelOracle(random_block(96, 4, 8, seed=8))
     with pytest.raises(SpecError, match="d = 96 is not built"):
-        value_sum_on_image(big, _image(96, 8), np.random.default_rng(0), precision=1e-15)
+        value_sum_on_image(big, random_image(96, 8), np.random.default_rng(0), precision=1e-15)
     assert big.queries == 0
 
 

@@ -42,8 +42,8 @@ from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
 from .on_image import EPS, FLOAT64, HEADS, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
-from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivative
-from .value_sum_image import ImageValueSum, _Fit, retrying
+from .value_sum import BASES, RANK_MARGIN, centre, stencil_derivative
+from .value_sum_image import ImageValueSum, retrying, solve_bases
 from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
@@ -196,18 +196,8 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
                                   "of the largest) is too small at this answer precision")
         cond = min(cond, float(Sv[-1] / Sv[0]))
         data.append((nx, T2, np.linalg.lstsq(Z, Yb, rcond=None)[0]))
-    fit = _Fit(image, data)
-    Qm = fit.Qm
-    A_, a_, cost, iters, settled = fit.solve(Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta)
-    res = float(np.sqrt(cost) / max(fit.scale(), 1e-300))
-    if res > CONSISTENCY * expected and not settled:
-        raise ConvergenceError(f"block {k}: stage V did not settle (relative residual {res:.3g})")
-    if res > CONSISTENCY * expected:
-        raise ModelMismatch(f"block {k}: the Jacobians are not those of one post-LN block (relative residual {res:.3g} "
-                            f"> {CONSISTENCY:g} x {expected:.2g})", check="value-sum (encoder)", figure=res,
-                            threshold=CONSISTENCY * expected)
-    return ImageValueSum(K=centre(Qm @ A_ @ Qm.T), c=centre(Qm @ a_), image=image, residual=res, conditioning=cond,
-                         expected=float(expected), step=float(h), iterations=int(iters), queries=q)
+    return solve_bases(image, data, expected=float(expected), conditioning=cond, step=float(h), queries=q,
+                       where=f"block {k}: ", check="value-sum (encoder)")
 
 
 def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):

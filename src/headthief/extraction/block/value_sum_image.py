@@ -207,18 +207,28 @@ def value_sum_on_image(oracle: Oracle, image: LayerNormImage, rng: np.random.Gen
                 f"{RANK_MARGIN}x above the finite differences' error ({expected:.2g}) at this answer precision")
         cond = min(cond, float(S[-1] / S[0]))
         data.append((n, T, np.linalg.lstsq(Z, Y, rcond=None)[0]))
+    return solve_bases(image, data, expected=float(expected), conditioning=cond, step=float(h), queries=q,
+                       max_iter=max_iter)
+
+
+def solve_bases(image: LayerNormImage, data: list, *, expected: float, conditioning: float, step: float, queries: int,
+                max_iter: int = MAX_ITER, where: str = "", check: str = "value-sum (image)") -> ImageValueSum:
+    """The joint fit of the module docstring over the bases ``data`` (``(n, T, C)`` each: the base, a basis of
+    its tangent in n-coordinates, ``Z^+ Y`` in that basis) from ``B = I, b = 0``, with its model check:
+    :class:`ConvergenceError` if it did not settle, :class:`ModelMismatch` if it settled above
+    ``CONSISTENCY x expected``. ``where``: a prefix for the messages (the encoder's block)."""
     fit = _Fit(image, data)
-    Qm = fit.Qm                                                               # the start: B = I, b = 0
+    Qm = fit.Qm
     A, a, cost, iters, settled = fit.solve(Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta, max_iter)
     res = float(np.sqrt(cost) / max(fit.scale(), 1e-300))
     if res > CONSISTENCY * expected:
         if not settled:
-            raise ConvergenceError(f"stage V on the image did not settle in {max_iter} steps (relative residual "
-                                   f"{res:.3g})")
+            raise ConvergenceError(f"{where}stage V on the image did not settle in {max_iter} steps (relative "
+                                   f"residual {res:.3g})")
         raise ModelMismatch(
-            f"the tangent Jacobians at {bases} image points are not J_Phi (delta_ij I + (B - I)/2) G T for one "
-            f"value-output map B (relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): "
-            "not one post-LN block", check="value-sum (image)", figure=res, threshold=CONSISTENCY * expected)
-    K = centre(fit.Qm @ A @ fit.Qm.T)
-    return ImageValueSum(K=K, c=centre(fit.Qm @ a), image=image, residual=res, conditioning=cond,
-                         expected=float(expected), step=float(h), iterations=int(iters), queries=q)
+            f"{where}the tangent Jacobians at {len(data)} image points are not J_Phi (delta_ij I + (B - I)/2) G T for "
+            f"one value-output map B (relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): "
+            "not one post-LN block", check=check, figure=res, threshold=CONSISTENCY * expected)
+    return ImageValueSum(K=centre(Qm @ A @ Qm.T), c=centre(Qm @ a), image=image, residual=res,
+                         conditioning=conditioning, expected=expected, step=step, iterations=int(iters),
+                         queries=queries)
