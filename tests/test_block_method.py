@@ -291,3 +291,33 @@ def test_stage_f_under_an_input_norm_bound():
     part = extract_ffn(oracle, ln, vs, np.random.default_rng(65), ffn=ffn)
     chk = check_one_token(oracle, part, ln, vs, np.random.default_rng(66), scale=0.9 * bound)
     assert chk["fidelity"] <= 1e-9
+
+
+def _span_problem(d, rank, T, seed):
+    """Jacobians ``J_t = sum_j c_tj E_j + n_t a_t^T + e_t m_t^T`` (the model :func:`ffn.span` assumes) with a
+    known span ``{E_j}``, at random unit m_t, n_t of mean zero."""
+    rng = np.random.default_rng(seed)
+    P = np.eye(d) - 1.0 / d
+    E = np.stack([P @ rng.standard_normal((d, d)) @ P for _ in range(rank)])
+    unit = lambda X: X / np.linalg.norm(X, axis=1, keepdims=True)          # noqa: E731
+    ms, ns = unit(rng.standard_normal((T, d)) @ P), unit(rng.standard_normal((T, d)) @ P)
+    J = (np.einsum("tj,jab->tab", rng.standard_normal((T, rank)), E)
+         + np.einsum("ta,tb->tab", ns, rng.standard_normal((T, d)) @ P)
+         + np.einsum("ta,tb->tab", rng.standard_normal((T, d)) @ P, ms))
+    return J, ms, ns, np.linalg.qr(E.reshape(rank, -1).T)[0]
+
+
+def test_the_span_polish_settles_where_the_alternating_steps_stop_short():
+    """With too few alternating steps to settle, the L-BFGS polish on the nuisances still finds the true span
+    (every principal angle below 1e-8) and says it settled; the same data with a wrong rank is refused."""
+    from headthief.errors import ConvergenceError
+    from headthief.extraction.block.ffn import span
+    J, ms, ns, truth = _span_problem(8, 5, 40, seed=5)
+    Q, lifted, _, res = span(J, ms, ns, 5, max_iter=3)
+    assert res <= 1e-10
+    assert np.linalg.norm(Q - truth @ (truth.T @ Q)) <= 1e-8 * np.sqrt(5)         # sines of the angles
+    assert np.max(np.linalg.norm(lifted - (lifted @ Q) @ Q.T, axis=1)) <= 1e-8
+    with pytest.raises(ConvergenceError, match="L-BFGS polish"):
+        span(J, ms, ns, 5, max_iter=3, polish_iter=0)                         # without the polish: not settled
+    with pytest.raises(ConvergenceError, match="L-BFGS polish"):
+        span(J, ms, ns, 4, max_iter=3)

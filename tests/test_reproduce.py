@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from headthief.errors import SpecError
-from headthief.reproduce.claims import EXPERIMENTS
+from headthief.reproduce.claims import EXPERIMENTS, ROBUST_SEEDS
 from headthief.reproduce.engine import Task, run_sweep, task_seed
 from headthief.reproduce.run import reproduce
 
@@ -185,9 +185,10 @@ def test_robustness_quick_counts_successes_from_the_records(quick_report, capsys
                                          "multihead-hessian", "multihead-subspaces", "ffn", "transformer"}
     assert {d for _, _, d in by_row} == {"float64", "float32"}
     assert len(exp["table"]) == len(by_row)
+    n = ROBUST_SEEDS[True]
     for row in exp["table"]:
         tasks = by_row[(row["method"], row["target"], row["dtype"])]
-        assert len(tasks) == 3
+        assert len(tasks) == ROBUST_SEEDS[True]
         assert row["success"] == f"{sum(_robust_success(t) for t in tasks)}/{len(tasks)}"
         failing = [t for t in tasks if not _robust_success(t)]
         for t in failing:                                     # every failing seed is named in its row
@@ -195,10 +196,10 @@ def test_robustness_quick_counts_successes_from_the_records(quick_report, capsys
         if not failing:
             assert row["failures"] == "-"
     if exp["verdict"] == "holds":
-        assert all(r["success"] == "3/3" for r in exp["table"])
+        assert all(r["success"] == f"{n}/{n}" for r in exp["table"])
     else:                                                     # the caveat names every row that fell short
         for r in exp["table"]:
-            if r["success"] != "3/3":
+            if r["success"] != f"{n}/{n}":
                 assert f"{r['method']} {r['target']} {r['dtype']} {r['success']}" in exp["caveat"]
     assert "## Robustness (beyond the paper) (robustness)" in (tmp_path / "report.md").read_text()
     # the command prints the table at full width (the stored tasks are reused: nothing recomputed)
