@@ -14,6 +14,7 @@ one-token fidelity on fresh image tokens, queries and seconds. ``--whole``: the 
     .venv/bin/python benchmarks/bench_block_image.py --d 16 --heads 4 --ffn 32 --seeds 9000 9020
     .venv/bin/python benchmarks/bench_block_image.py --d 32 --heads 4 --ffn 128 --seeds 9100 9101 --json
     .venv/bin/python benchmarks/bench_block_image.py --whole --d 16 --heads 4 --ffn 32 --seeds 9200 9220
+    .venv/bin/python benchmarks/bench_block_image.py --whole --dtype float32 --d 8 --heads 2 --ffn 8 --seeds 9300 9320
 
 Measured figures: docs/block.md, section "Stages V and F on the previous LayerNorm's image".
 """
@@ -74,17 +75,17 @@ def one(d: int, heads: int, ffn: int, seed: int) -> dict:
     return row
 
 
-def whole(d: int, heads: int, ffn: int, seed: int) -> dict:
+def whole(d: int, heads: int, ffn: int, seed: int, dtype: str = "float64") -> dict:
     """The whole block on the image (block/on_image.py): the stages, the heads fitted, the model check."""
     from headthief.extraction.block.on_image import extract_block_on_image, image_block_errors
     t0 = time.perf_counter()
-    block = random_block(d, heads, ffn, seed=seed)
+    block = random_block(d, heads, ffn, seed=seed, dtype=getattr(np, dtype))
     image = random_image(d, seed)
     inner = ModelOracle(block)
     row: dict = {"seed": seed}
     try:
         res = extract_block_on_image(ImageGuard(inner, image), image, heads=heads, ffn=ffn, rng=seed)
-        e = image_block_errors(res, block, image)
+        e = image_block_errors(res, block.astype(np.float64), image)
         parts = [k for k in e if k.endswith("_err")]
         row.update(worst_part=max(float(e[k]) for k in parts),
                    heads=max(e["O_rel_err"], e["W_rel_err"], e["c_rel_err"]),
@@ -104,16 +105,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs=2, default=(9000, 9020), metavar=("FIRST", "STOP"))
     ap.add_argument("--json", action="store_true", help="one JSON object per block instead of the table")
     ap.add_argument("--whole", action="store_true", help="the whole block (heads fitted), not stages V and F only")
+    ap.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="the block's answers (--whole)")
     a = ap.parse_args()
     cols = ("seed", "K", "c", "lm_steps", "gamma1", "neurons", "fidelity", "queries", "seconds", "result")
     if a.whole:
         cols = ("seed", "worst_part", "heads", "ffn", "fit_rms", "fit_steps", "fidelity", "queries", "seconds",
                 "result")
     if not a.json:
-        print(f"random_block({a.d}, {a.heads}, {a.ffn}), float64, every query on the previous LayerNorm's image")
+        print(f"random_block({a.d}, {a.heads}, {a.ffn}), {a.dtype}, every query on the previous LayerNorm's image")
         print(" ".join(f"{k:>9}" for k in cols))
     for seed in range(*a.seeds):
-        row = (whole if a.whole else one)(a.d, a.heads, a.ffn, seed)
+        row = whole(a.d, a.heads, a.ffn, seed, a.dtype) if a.whole else one(a.d, a.heads, a.ffn, seed)
         if a.json:
             print(json.dumps(row), flush=True)
             continue

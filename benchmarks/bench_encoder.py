@@ -1,6 +1,6 @@
-"""Benchmark of ``--method encoder`` (issue 19) on random float64 encoders queried with inputs_embeds,
-every layer's hidden states answered (``bert-encoder:...,hidden=all``): the embeddings' LayerNorm and
-position offsets, then every block from forward paths (``block/encoder.py``).
+"""Benchmark of ``--method encoder`` (issue 19) on random encoders (float64, or ``--dtype float32``) queried
+with inputs_embeds, every layer's hidden states answered (``bert-encoder:...,hidden=all``): the embeddings'
+LayerNorm and position offsets, then every block from forward paths (``block/encoder.py``).
 
 One row per encoder: the largest relative error of any recovered part of any block (on the true previous
 LayerNorm's image, ``image_block_errors``; plus LN_emb and the offsets), the heads' worst, each block's
@@ -9,6 +9,7 @@ layer), queries and seconds.
 
     .venv/bin/python benchmarks/bench_encoder.py --d 8 --heads 2 --ffn 8 --layers 2 --seeds 300 320
     .venv/bin/python benchmarks/bench_encoder.py --d 16 --heads 4 --ffn 32 --layers 3 --seeds 400 401
+    .venv/bin/python benchmarks/bench_encoder.py --dtype float32 --seeds 500 520
 
 Measured figures: docs/block.md, section "--method encoder".
 """
@@ -26,9 +27,9 @@ from headthief.extraction.block.encoder import extract_encoder
 from headthief.targets import resolve
 
 
-def one(d: int, heads: int, ffn: int, layers: int, seed: int) -> dict:
+def one(d: int, heads: int, ffn: int, layers: int, seed: int, dtype: str = "float64") -> dict:
     t0 = time.perf_counter()
-    target = resolve(f"bert-encoder:d={d},heads={heads},ffn={ffn},layers={layers},seed={seed}")
+    target = resolve(f"bert-encoder:d={d},heads={heads},ffn={ffn},layers={layers},seed={seed},dtype={dtype}")
     oracle = target.make_oracle()
     row: dict = {"seed": seed}
     try:
@@ -50,14 +51,15 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seeds", type=int, nargs=2, default=(300, 320), metavar=("FIRST", "STOP"))
+    ap.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="the encoder's answers")
     ap.add_argument("--json", action="store_true", help="one JSON object per encoder instead of the table")
     a = ap.parse_args()
     cols = ("seed", "worst", "heads", "fidelity", "queries", "seconds")
     if not a.json:
-        print(f"bert-encoder:d={a.d},heads={a.heads},ffn={a.ffn},layers={a.layers} (float64, hidden=all)")
+        print(f"bert-encoder:d={a.d},heads={a.heads},ffn={a.ffn},layers={a.layers} ({a.dtype}, hidden=all)")
         print(" ".join(f"{k:>9}" for k in cols), "  per-block fidelity   result")
     for seed in range(*a.seeds):
-        row = one(a.d, a.heads, a.ffn, a.layers, seed)
+        row = one(a.d, a.heads, a.ffn, a.layers, seed, a.dtype)
         if a.json:
             print(json.dumps(row), flush=True)
             continue

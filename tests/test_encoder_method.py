@@ -32,6 +32,25 @@ def test_a_two_block_encoder_from_the_cli(tmp_path, capsys):
     assert any(k.startswith("encoder.layer.1.") for k in tensors)
 
 
+def test_a_float32_encoder_within_its_answers_precision(capsys):
+    """float32 answers (as MiniLM's): the stages' algebra is the fits' start, and every part ends within 1e3 x the
+    answers' rounding (2^-24) of the truth; the model check says float32 and allows 100 x 30 x that rounding."""
+    eps = 2.0 ** -24
+    code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=3,dtype=float32", "--method",
+                 "encoder", "--verify", "32", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["model_check"]["verdict"] == "pass" and row["model_check"]["answers"] == "float32"
+    assert 100 * 30 * eps <= row["model_check"]["threshold"] <= 100 * 1e3 * eps     # set by the answers, not the fit
+    assert row["worst_rel_err"] <= 1e3 * eps and row["offsets_rel_err"] <= 1e3 * eps
+    assert row["fidelity_max_rel_err"] <= row["model_check"]["threshold"]
+
+
+def test_an_encoder_wider_than_the_dense_stage_v_is_refused_before_any_query(capsys):
+    code = main(["extract", "--target", "bert-encoder:d=96,heads=2,ffn=8,layers=1", "--method", "encoder", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 2 and row["queries_sent"] == 0 and "d = 96 is not built" in row["error"]
+
+
 def test_the_last_layer_only_is_refused_with_the_reason(capsys):
     code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1,hidden=last", "--method",
                  "encoder", "--json"])

@@ -267,4 +267,4 @@ def test_robustness_full_size_has_twenty_fresh_seeds_per_row():
     for t in full:
         rows.setdefault((t.params["method"], t.params["cell"], t.params["dtype"]), []).append(t.params["seed"])
     assert all(len(seeds) >= 20 and min(seeds) >= 1000 and len(set(seeds)) == len(seeds) for seeds in rows.values())
-    assert len(exp.tasks(True)) == 3 * len(rows)
+    assert len(exp.tasks(True)) == ROBUST_SEEDS[True] * len(rows)

@@ -442,9 +442,10 @@ def _run_encoder(oracle, target, args, progress, clean=None):
 
 METHODS["encoder"] = Method(
     _run_encoder, lambda t, a: None,
-    "ours: a whole BERT encoder queried with inputs_embeds, every layer's hidden states answered (float64): the "
-    "embeddings' LayerNorm and position offsets, then each block from forward paths (its inputs observed, never "
-    "inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's image (--heads, --ffn)")
+    "ours: a whole BERT encoder queried with inputs_embeds, every layer's hidden states answered (float64 or "
+    "float32; d <= 88): the embeddings' LayerNorm and position offsets, then each block from forward paths (its "
+    "inputs observed, never inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's "
+    "image (--heads, --ffn)")
 
 
 def _run_rope(oracle, target, args, progress, clean=None):

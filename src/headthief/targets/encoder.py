@@ -227,7 +227,7 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
 
     from ..models.bert_block import random_encoder
     from ..oracles.base import ModelOracle
-    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden"})
+    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden", "dtype"})
     d = _int(opts, "d", lo=4)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -239,18 +239,23 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
         raise SpecError(f"hidden={hidden!r}: use all (every layer's hidden states) or last")
     if d % H:
         raise SpecError(f"{spec}: heads={H} does not divide d={d}")
+    dtype = opts.get("dtype", "float64")
+    if dtype not in ("float64", "float32"):
+        raise SpecError(f"dtype={dtype!r}: use float64 (default) or float32")
     check_size(spec, L * (4 * d * d + 2 * d * M) + P * d)
-    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden)
+    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden, dtype=getattr(np, dtype))
     return Target(spec=spec, d=d, bias=True, truth=enc, output="all", d_out=enc.d_out,
                   make_oracle=lambda **kw: ModelOracle(enc, **kw),
                   info={"heads": H, "head_dim": d // H, "ffn": M, "layers": L, "positions": P, "hidden": hidden,
-                        "seed": seed, "dtype": "float64", "black_box": "numpy", "output": "all",
+                        "seed": seed, "dtype": dtype, "black_box": "numpy", "output": "all",
                         "input": "inputs_embeds (position and token-type embeddings added, then LayerNorm)"})
 
 
-register(TargetKind("bert-encoder", "bert-encoder:d=D,heads=H,ffn=M,layers=L[,seed=S][,positions=P][,hidden=all|last]",
-                    "a seeded random float64 BERT encoder (embeddings' sum and LayerNorm, then L post-LN blocks) "
-                    "queried with inputs_embeds, answering every layer's hidden states (hidden=all, default) or "
+register(TargetKind("bert-encoder", "bert-encoder:d=D,heads=H,ffn=M,layers=L[,seed=S][,positions=P][,hidden=all|last]"
+                    "[,dtype=float32]",
+                    "a seeded random BERT encoder (embeddings' sum and LayerNorm, then L post-LN blocks; float64, or "
+                    "float32 as MiniLM answers) queried with inputs_embeds, answering every layer's hidden states "
+                    "(hidden=all, default) or "
                     "the last", _build_bert_encoder))
 register(TargetKind("minilm-block", "minilm-block:layer=L",
                     "block L (0..5: hidden_states[L] -> hidden_states[L+1]) of all-MiniLM-L6-v2, the real weights, "

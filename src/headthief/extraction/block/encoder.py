@@ -1,4 +1,5 @@
-"""``--method encoder`` (float64, ``hidden=all``): a whole BERT encoder, block by block, from forward paths.
+"""``--method encoder`` (``hidden=all``; float64 or float32): a whole BERT encoder, block by block, from forward
+paths.
 
 An encoder API queried with ``inputs_embeds`` answers every layer's hidden states ``h_0 .. h_L`` at every
 position. Stage E (:mod:`.embeddings`) reads LN_emb and the position offsets, after which ``h_0`` can be
@@ -20,6 +21,11 @@ answered. So no extracted block is inverted, and block k's errors never enter bl
 Block k's input image is LN_emb's (k = 0) or block k - 1's output LayerNorm (its stage L, exact). Each block
 is then :mod:`.on_image`'s method with these reads. With ``hidden=last`` only ``h_L`` is answered: block k's
 inputs and outputs are not seen for k < L - 1, and this route does not apply (say so, exit 2).
+
+float32 answers (as MiniLM's): the stencils' steps follow the answers' precision (``on_image.answer_precision``),
+stage F's span is a start (kept where it stalls) and the fits bring every part to the answers' precision
+(measured at d = 8: every part within ~2e-6). The model check's floor is then 30x the answers' precision.
+Stage V's joint fit is dense: d > 88 is refused before the first query.
 """
 
 from __future__ import annotations
@@ -40,10 +46,10 @@ from .extract import CHECK_FACTOR, REFIT_LENGTHS
 from .ffn_image import MAX_CONDITION, _dm, extract_ffn_on_image, ln1_input
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
-from .on_image import EPS, FLOAT64, HEADS, fit_counts, image_block_errors, start_block
+from .on_image import HEADS, answer_precision, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
-from .value_sum import BASES, RANK_MARGIN, centre, stencil_derivative
-from .value_sum_image import ImageValueSum, retrying, solve_bases
+from .value_sum import BASES, COARSE, RANK_MARGIN, centre, stencil_derivative
+from .value_sum_image import MAX_UNKNOWNS, ImageValueSum, retrying, solve_bases
 from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
@@ -251,17 +257,19 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                         f"numbers per position), got {oracle.d_out}: with hidden=last block k's inputs are never seen")
     if int(heads) < 1 or d % int(heads):
         raise SpecError(f"heads={heads} must divide d={d}")
+    unknowns = (d - 1) ** 2 + (d - 1) + BASES * (d - 2)
+    if unknowns > MAX_UNKNOWNS:                                         # refused before the first query
+        raise SpecError(f"stage V on the image fits {unknowns} unknowns per block jointly with a dense solver (at "
+                        f"most {MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
     t0 = time.perf_counter()
     from ..check import counters
     before = counters(oracle)
     q_start = oracle.queries
     emb = embedding_stage(oracle, rng, length=length, d_hidden=d)
-    if emb.ln.sphere_residual > FLOAT64:
-        raise SpecError("--method encoder is built for float64 answers only (LN_emb's sphere residual "
-                        f"{emb.ln.sphere_residual:.2g})")
     paths = _Paths(oracle, emb, layers)
     image = paths.image
     blocks, per, figures = [], [], []
+    worst_eps, kind = 0.0, None
     from .extract import parts_of
     from .heads import Heads
     from .on_image import ImageBlockExtraction
@@ -271,17 +279,18 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         lens = [T for T in REFIT_LENGTHS if T <= length]
         Xl, Yl = _pairs(paths, k, rng, [-(-(2 * d + 8) // length)], [length])[0]
         ln = fit_output_layernorm(Yl.reshape(-1, d))
-        if ln.sphere_residual > FLOAT64:
-            raise SpecError(f"block {k}: coarse answers (sphere residual {ln.sphere_residual:.2g}): float64 only")
-        eps = EPS
+        eps, kind = answer_precision(oracle, Yl.reshape(-1, d))
+        coarse = eps > COARSE
+        worst_eps = max(worst_eps, eps)
         act = check_smooth_activation(_BlockView(paths, k), rng, precision=eps, image=paths.image)
         ivs = retrying(lambda: _value_sum(paths, k, image, rng, eps))
         # behind earlier blocks the paths' Jacobians are good to ~1e-9, not 1e-13 (measured: the span stalled
-        # at 4e-9 .. 7e-8 on 3 of 8 draws at d = 8), so stage F is a start there (a stalled span is kept) and
-        # the fit below polishes it with every other parameter
+        # at 4e-9 .. 7e-8 on 3 of 8 draws at d = 8), and float32 answers leave every stage's algebra a start,
+        # so stage F is a start there (a stalled span is kept) and the fit below polishes it with every other
+        # parameter
         try:
             part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=_ffn_reader(paths, k, ln, ivs, eps),
-                                        start=k > 0, points=POINTS * (int(ffn) + 1))
+                                        start=k > 0 or coarse, points=POINTS * (int(ffn) + 1), precision=eps)
         except (ConvergenceError, NotIdentifiable) as e:
             raise type(e)(f"block {k}, stage F: {e}") from e
         start = start_block(ln, ivs, part, int(heads), rng)
@@ -296,10 +305,16 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
             rms2, count = rms2 + float(np.sum(Yc * Yc)), count + Yc.size
         fid = worst / np.sqrt(rms2 / count)
         insample = fit["block_refit_insample"]
-        limit = CHECK_FACTOR * max(insample, 1e-13)
-        if fid > limit:
-            raise ModelMismatch(f"block {k}: the fitted block answers fresh sequences with fidelity {fid:.3g} > "
-                                f"{limit:.3g}", check="fresh sequences (encoder)", figure=fid, threshold=limit)
+        # the fit's own residual sets the threshold only once it is within 100x the answers' precision (30 eps;
+        # for float64 1e-12: the paths through earlier blocks, measured in-sample 1e-12 .. 3e-12 at d = 8): a
+        # wrong model would raise both together
+        floor = max(30.0 * eps, 1e-12)
+        limit = CHECK_FACTOR * max(insample, floor)
+        if fid > limit or insample > CHECK_FACTOR * floor:
+            raise ModelMismatch(f"block {k}: the fitted block answers fresh sequences with fidelity {fid:.3g} (limit "
+                                f"{limit:.3g}) after a fit to {insample:.3g} (limit {CHECK_FACTOR * floor:.3g}: "
+                                f"{CHECK_FACTOR}x 30x the answers' precision {eps:.2g})",
+                                check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
         P = np.eye(d) - 1.0 / d
         vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                                residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,
@@ -331,14 +346,15 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     if not check:
         return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
     fid = res.verify(oracle, verify, rng=rng if check_rng is None else np.random.default_rng(check_rng))
-    parts = max(max(f["insample"] for f in figures), 1e-13)
+    parts = max(max(f["insample"] for f in figures), 30.0 * worst_eps, 1e-13)
     limit = CHECK_FACTOR * parts
     detail = (f"fidelity {fid.max_rel_err:.3g} of every layer's hidden states on {verify} fresh inputs_embeds "
-              f"sequences; threshold {limit:.3g}: {CHECK_FACTOR}x the blocks' in-sample precision {parts:.3g}")
+              f"sequences; threshold {limit:.3g}: {CHECK_FACTOR}x the larger of the blocks' in-sample precision "
+              f"and 30x the answers' ({kind.describe()}) precision: {parts:.3g}")
     if fid.max_rel_err > limit:
         raise ModelMismatch(f"the reassembled encoder does not answer like the target: {detail}",
                             check="fresh sequences (encoder)", figure=fid.max_rel_err, threshold=limit)
-    return dataclasses.replace(res, check=ModelCheck("pass", MODEL, answers="float64", figure=fid.max_rel_err,
+    return dataclasses.replace(res, check=ModelCheck("pass", MODEL, answers=kind.describe(), figure=fid.max_rel_err,
                                                      threshold=limit, verify_queries=fid.queries, detail=detail))
 
 

@@ -22,8 +22,9 @@ a nuisance ``n a^T + e m^T`` and a scale. Steps:
    for every neuron: a three-parameter least-squares fit per neuron (alpha_k, b_k, lambda_k);
 5. the linear remainder ``c`` (and each point's scale) by least squares on the answers themselves.
 
-Exact algebra except step 2 (an iteration, converging linearly, then a quasi-Newton polish if needed) and step 4 (a 1-D fit per neuron): the
-result says which, with the figures. The model check is the fidelity on fresh one-token queries.
+Exact algebra except step 2 (an iteration, converging linearly, then a quasi-Newton polish if needed) and
+step 4 (a 1-D fit per neuron): the result says which, with the figures. The model check is the fidelity on
+fresh one-token queries.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     L-BFGS on the nuisances (:func:`_polish`, at most ``polish_iter`` iterations: Anderson stalled on 3 of 3
     point sets of one d = 8 block behind an encoder's first block, while the Jacobians matched the true span
     to 3e-9; the polish settled each in about a second). Raises :class:`ConvergenceError` when that too
-    leaves the residual above ``tol`` times its start, unless ``best_on_stall`` (coarse answers, where the span is only the start of a refit): then the iterate
-    with the smallest residual is returned.
+    leaves the residual above ``tol`` times its start, unless ``best_on_stall`` (coarse answers, where the span
+    is only the start of a refit): then the iterate with the smallest residual is returned.
 
     ``probes`` (d, p): J holds the derivatives along the probes only (T, d, p), each projected on its point's
     tangent (:mod:`.ffn_probes`); the nuisance is then ``n_t a^T + e (V^T m_t)^T`` with ``a`` in R^p."""

@@ -19,6 +19,10 @@ The stages:
    The result says so (``fitted``) and gives the fit's residual; the heads' precision is what the fit
    reaches, measured against the truth in ``benchmarks/bench_block_image.py``.
 
+float32 answers: the stencils' steps follow the answers' precision (:func:`answer_precision`), the stages'
+algebra is the fit's start (stage F's span is a start there), and the model check allows 100x 30x the answers'
+precision (:func:`check_precision`), never 100x the fit's own residual.
+
 Identifiable on the image, and compared that way (:func:`image_block_errors`): besides the free-input
 symmetries (:mod:`.extract`), only the parts acting on the image's directions: ``B G P0`` (not ``B gamma_p``),
 each ``O_h G P0``, ``P0 G W_h G P0`` and the key-side term ``P0 G (W_h beta_p + c_h)`` of the scores
@@ -46,7 +50,7 @@ from .heads import Heads
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
 from .smoothness import check_smooth_activation
-from .value_sum import ValueSum, with_map
+from .value_sum import COARSE, ValueSum, with_map
 from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
@@ -114,7 +118,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                            rng: np.random.Generator | int = 0, verify: int = 256, check: bool = True,
                            positions: int | None = None, progress=None) -> BlockExtraction:
     """Stages L, V, F on the image, the heads fitted (module docstring), and the model check on ``verify``
-    fresh image sequences of 1 to 16 tokens. float64 answers (the image stages' steps assume them).
+    fresh image sequences of 1 to 16 tokens. float64 or float32 answers: the stencils' steps follow the
+    answers' precision (:func:`answer_precision`), and for float32 the stages' algebra is the fit's start.
     ``positions``: answered positions for the fit (default: :func:`fit_counts`)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
@@ -142,10 +147,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     X_ln = image.tokens(image.points(rng, k * LN_LENGTH)).reshape(k, LN_LENGTH, d)
     Y = np.asarray(oracle.query_packed(X_ln))
     ln = fit_output_layernorm(Y)
-    if ln.sphere_residual > FLOAT64:
-        raise SpecError(f"the answers are coarse (LN2's sphere residual {ln.sphere_residual:.2g}): the block method "
-                        "on the image is built for float64 answers only")
-    eps = EPS
+    eps, kind = answer_precision(oracle, Y)
     mark("L", q0)
     q0 = oracle.queries
     act = check_smooth_activation(oracle, rng, precision=eps, image=image)
@@ -154,7 +156,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ivs = retrying(lambda: value_sum_on_image(oracle, image, rng, precision=eps))
     mark("V", q0)
     q0 = oracle.queries
-    part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps))
+    part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps),
+                                precision=eps)
     one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
     mark("F", q0)
     q0 = oracle.queries
@@ -188,12 +191,33 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                                diagnostics=diag, method="block (image)", image=image)
     if not check:
         return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
-    return dataclasses.replace(res, check=_check(res, oracle, image, rng, verify, max(insample, one["fidelity"])))
+    return dataclasses.replace(res, check=_check(res, oracle, image, rng, verify, insample,
+                                                 check_precision(eps, one["fidelity"]), kind.describe()))
 
 
-def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: int, parts: float) -> ModelCheck:
-    """Fresh image sequences of 1 to 16 tokens: fidelity within CHECK_FACTOR x the parts' precision, else
-    :class:`ModelMismatch` (a fit that found no block of this shape, or the wrong model class)."""
+def answer_precision(oracle: Oracle, Y: np.ndarray):
+    """The stencils' precision for answers Y (float64: :data:`EPS`, the validated floor; float32: 2^-24; a
+    tolerance over the answers' rms) and the :class:`~headthief.extraction.precision.AnswerKind`. Sign-only
+    answers are refused."""
+    from ..precision import answer_kind
+    kind = answer_kind(oracle, Y)
+    if kind.sign:
+        raise SpecError("the block method needs vector answers, not signs")
+    return max(EPS, kind.eps, kind.tau / float(np.sqrt(np.mean(np.asarray(Y) ** 2)))), kind
+
+
+def check_precision(eps: float, one_token: float) -> float:
+    """The parts' precision the model check allows 100x of: the one-token fidelity of stages L, V, F (float64,
+    where they are exact) or, for coarse answers (their algebra is only the fit's start), 30x the answers'
+    precision. Never the fit's own residual: a wrong model would raise it and its threshold with it."""
+    return max(one_token if eps <= COARSE else 0.0, 30.0 * eps, 1e-13)
+
+
+def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: int, insample: float, parts: float,
+           answers: str = "float64") -> ModelCheck:
+    """Fresh image sequences of 1 to 16 tokens, and stage L's answers (``insample``, not fitted): fidelity within
+    CHECK_FACTOR x the parts' precision (:func:`check_precision`), else :class:`ModelMismatch` (a fit that
+    found no block of this shape, or the wrong model class)."""
     d = image.d
     worst, rms2, count = 0.0, 0.0, 0
     lengths = rng.integers(1, 17, size=n)
@@ -206,12 +230,13 @@ def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: 
         count += Y.size
     fid = worst / np.sqrt(rms2 / count)
     limit = CHECK_FACTOR * max(parts, 1e-13)
+    fid = max(fid, insample)
     if fid > limit:
         raise ModelMismatch(f"the fitted block answers {n} fresh image sequences with fidelity {fid:.3g} > {limit:.3g} "
                             f"({CHECK_FACTOR}x the parts' precision {parts:.3g}): the fit found no post-LN block of "
                             "this shape that answers like the target", check="fresh image sequences", figure=fid,
                             threshold=limit)
-    return ModelCheck("pass", MODEL + ", on the previous LayerNorm's image", answers="float64", figure=fid,
+    return ModelCheck("pass", MODEL + ", on the previous LayerNorm's image", answers=answers, figure=fid,
                       threshold=limit, verify_queries=int(n),
                       detail=f"fidelity {fid:.3g} on {n} fresh image sequences of 1 to 16 tokens (every position); "
                              f"threshold {limit:.3g}: {CHECK_FACTOR}x the parts' precision {parts:.3g}")
