@@ -159,13 +159,17 @@ def test_budget_then_resume_from_the_journal(tmp_path):
     assert rep.ok and rep.row["journal_replayed"] >= 2900 and rep.row["O_rel_err"] <= 1e-8
 
 
-def test_save_loads_into_transformers_bert_layer(tmp_path):
+def test_cli_json_and_save_loads_into_transformers_bert_layer(tmp_path, capsys):
+    """One CLI run (``--json --save``): the row, then the file loaded into transformers' ``BertLayer``."""
+    from headthief.cli import main
+    out = tmp_path / "block.safetensors"
+    code = main(["extract", "--target", f"{SPEC},seed=43", "--method", "block", "--verify", "32", "--json",
+                 "--quiet", "--save", str(out)])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["method"] == "block" and row["O_rel_err"] <= 1e-8 and out.exists()
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from headthief.models.bert_export import read_safetensors
-    out = tmp_path / "block.safetensors"
-    rep = ht.extract(f"{SPEC},seed=42", "block", verify=32, save=str(out))
-    assert rep.ok and out.exists()
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
     cfg = BertConfig(hidden_size=D, num_attention_heads=H, intermediate_size=FFN, hidden_act="gelu",
@@ -178,16 +182,8 @@ def test_save_loads_into_transformers_bert_layer(tmp_path):
     with torch.no_grad():
         out_t = layer(torch.from_numpy(X))
     y_t = (out_t[0] if isinstance(out_t, tuple) else out_t).numpy()
-    y = random_block(D, H, FFN, seed=42).forward(X)
+    y = random_block(D, H, FFN, seed=43).forward(X)
     assert np.max(np.abs(y_t - y)) / np.sqrt(np.mean(y ** 2)) <= 1e-6
-
-
-def test_cli_json(tmp_path, capsys):
-    from headthief.cli import main
-    code = main(["extract", "--target", f"{SPEC},seed=43", "--method", "block", "--verify", "32", "--json",
-                 "--quiet"])
-    row = json.loads(capsys.readouterr().out)
-    assert code == 0 and row["method"] == "block" and row["O_rel_err"] <= 1e-8
 
 
 def test_cli_table_lists_every_head(capsys):

@@ -43,7 +43,7 @@ from ...oracles.base import Oracle
 from .block_refit import refit_block
 from .embeddings import Embeddings, embedding_stage
 from .extract import CHECK_FACTOR, REFIT_LENGTHS
-from .ffn_image import MAX_CONDITION, _dm, extract_ffn_on_image, ln1_input
+from .ffn_image import MAX_CONDITION, _dm, best_conditioned, condition_cap, extract_ffn_on_image, ln1_input
 from .image import LayerNormImage
 from .layernorm import fit_output_layernorm
 from .on_image import HEADS, answer_precision, fit_counts, image_block_errors, start_block
@@ -210,9 +210,10 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
     img0 = paths.image
     image = ivs.image
     h = eps ** 0.2
+    cap = condition_cap(eps)
 
     def read(rng, points: int):
-        Js, ms, ns, q = [], [], [], 0
+        good, spare, q = [], [], 0
         for _ in range(DRAWS):                                              # at most DRAWS x points candidates
             for n0 in img0.points(rng, points):
                 dX, dY, x, y, _, _, qq = _tangent_moves(paths, k, img0.tokens(n0[None])[0], rng, h)
@@ -220,18 +221,21 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
                 n = image.normalized(x[None])[0]
                 D = _dm(ivs, n, dX / image.gamma[:, None])                  # the observed moves, n-coordinates
                 S = np.linalg.svd(D, compute_uv=False)
-                if S[-1] * MAX_CONDITION < S[0]:
+                cond = S[0] / max(S[-1], 1e-300)
+                if cond > MAX_CONDITION:
                     continue                                                # near a fold (of LN1's or earlier blocks')
-                Jn = dY / ln.gamma[:, None]                                 # d(normalised answer)/ds
-                Js.append(Jn @ np.linalg.pinv(D))
                 m = ln1_input(ivs, n[None])[0]
-                ms.append(m / np.linalg.norm(m))
                 u = ln.normalized(y[None])[0]
-                ns.append(u / np.linalg.norm(u))
-                if len(Js) == points:
-                    return np.array(Js), np.array(ms), np.array(ns), q
-        raise NotIdentifiable(f"block {k}: fewer than {points} of {DRAWS * points} points have dm/dn conditioned "
-                              f"better than {MAX_CONDITION:g}: block {k}'s inputs reach too little of its LN1's sphere")
+                J = (dY / ln.gamma[:, None]) @ np.linalg.pinv(D)             # d(normalised answer)/dm
+                cand = (cond, J, m / np.linalg.norm(m), u / np.linalg.norm(u))
+                (good if cond <= cap else spare).append(cand)               # spare: used only if too few are better
+                if len(good) == points:
+                    break
+            if len(good) == points:
+                break
+        chosen = best_conditioned(good, spare, points, cap, f"block {k}'s inputs reach too little of its LN1's sphere")
+        return (np.array([c[1] for c in chosen]), np.array([c[2] for c in chosen]), np.array([c[3] for c in chosen]),
+                q)
 
     return read
 
