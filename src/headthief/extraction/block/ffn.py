@@ -147,14 +147,16 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     Y = J.reshape(T, -1)
     scale = np.linalg.norm(Y, axis=1, keepdims=True)
     Y = Y / scale
+    Nbs = None if probes is not None else np.stack([
+        np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(d - 1, -1),
+                        np.einsum("ik,j->kij", E, ms[t]).reshape(d - 1, -1)]).T for t in range(T)])
+    apply, adjoint = _nuisance_maps(Y, ns, ms, E, probes, Nbs)
+
+    def lift(nu):
+        L = Y + apply(nu)
+        return L / np.linalg.norm(L, axis=1, keepdims=True)
+
     if probes is None:
-        Nbs = np.stack([np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(d - 1, -1),
-                                        np.einsum("ik,j->kij", E, ms[t]).reshape(d - 1, -1)]).T for t in range(T)])
-
-        def lift(nu):
-            L = Y + np.einsum("tij,tj->ti", Nbs, nu)
-            return L / np.linalg.norm(L, axis=1, keepdims=True)
-
         def step(nu):
             L = lift(nu)
             Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
@@ -165,7 +167,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
             return out, Q
         width = Nbs.shape[2]
     else:
-        lift, step = _structured(Y, ns, ms @ probes, E, rank)
+        step = _structured(Y, ns, ms @ probes, E, rank, lift)
         width = probes.shape[1] + d - 1
 
     def settled(res):
@@ -201,7 +203,6 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
             nu = g
     # Anderson stalled: L-BFGS on the nuisances, from the best iterate (measured: 3 stalled d = 8 spans
     # behind an encoder's first block, residual 3e-3 after 1,500 steps, settle in 130-340 iterations)
-    apply, adjoint = _nuisance_maps(Y, ns, ms, E, probes, Nbs if probes is None else None)
     for nu0 in (np.zeros_like(kept[1]), kept[1]):       # from zero first: Anderson's best can lie in a poor basin
         g = _polish(Y, apply, adjoint, nu0, rank, max_iter=polish_iter)
         g, _ = step(g)
@@ -220,7 +221,8 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
 
 
 def _nuisance_maps(Y, ns, ms, E, probes, Nbs):
-    """``nu -> N(nu)`` (every point's nuisance matrix, rows as Y's) and its adjoint, for :func:`_polish`."""
+    """``nu -> N(nu)`` (every point's nuisance matrix, rows as Y's) and its adjoint: from the stored bases
+    ``Nbs`` (full Jacobians) or as Kronecker products (``probes``), for :func:`span`'s lift and :func:`_polish`."""
     T = Y.shape[0]
     if Nbs is not None:
         return (lambda nu: np.einsum("tij,tj->ti", Nbs, nu)), (lambda R: np.einsum("tij,ti->tj", Nbs, R))
@@ -256,8 +258,8 @@ def _polish(Y: np.ndarray, apply, adjoint, nu0: np.ndarray, rank: int, *, max_it
     return x.reshape(shape)
 
 
-def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, rank: int, chunk: int = 128):
-    """:func:`span`'s lift and step for probe Jacobians without storing any nuisance basis: point t's
+def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, rank: int, lift, chunk: int = 128):
+    """:func:`span`'s step (given its ``lift``) for probe Jacobians without storing any nuisance basis: point t's
     nuisance ``n_t a^T + (E e) r_t^T`` (a in R^p, e in R^(d-1)) is a Kronecker product, so its normal
     equations against the span's complement are formed from contractions (``(p + d - 1)^2`` numbers per
     point, in chunks of ``chunk`` points, instead of ``d p (p + d - 1)``). The one direction the two parts
@@ -266,11 +268,6 @@ def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, ra
     d, p = ns.shape[1], rs.shape[1]
     Yr = Y.reshape(T, d, p)
     En = ns @ E                                                            # (T, d - 1): E^T n_t
-
-    def lift(nu):
-        L = Yr + np.einsum("ti,tj->tij", ns, nu[:, :p]) + np.einsum("ik,tk,tj->tij", E, nu[:, p:], rs)
-        L = L.reshape(T, -1)
-        return L / np.linalg.norm(L, axis=1, keepdims=True)
 
     def step(nu):
         L = lift(nu)
@@ -296,7 +293,7 @@ def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, ra
             out[sl] = np.einsum("tkl,tl->tk", np.linalg.pinv(A, rcond=1e-13, hermitian=True), rhs)
         return out, Q
 
-    return lift, step
+    return step
 
 
 def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, max_starts: int | None = None,

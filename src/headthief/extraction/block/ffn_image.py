@@ -27,20 +27,19 @@ from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .ffn import CHECK_FACTOR, FFNPart, extract_ffn
 from .layernorm import OutputLayerNorm
-from .value_sum import stencil_derivative
+from .value_sum import COARSE, stencil_derivative
 from .value_sum_image import ImageValueSum
 
 MAX_CONDITION = 1e3       # largest condition number of dm/dn accepted at a stage-F point
 COARSE_CONDITION = 1e2    # the same for coarse (float32) answers: the Jacobians lose that factor of a precision
                           # they do not have (measured: a float32 d = 8 encoder's block 1 failed stage F on
                           # 3 of 3 tries with 1e3, and passed with 1e2)
+MAX_DRAWS = 50            # rounds of candidate points before the image is declared too narrow
 
 
 def condition_cap(precision: float) -> float:
     """The largest condition number of dm/dn accepted at a stage-F point for answers of this precision."""
-    from .value_sum import COARSE
     return MAX_CONDITION if precision <= COARSE else COARSE_CONDITION
-MAX_DRAWS = 50            # rounds of candidate points before the image is declared too narrow
 
 
 def ln1_input(ivs: ImageValueSum, N: np.ndarray) -> np.ndarray:
