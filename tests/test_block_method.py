@@ -3,6 +3,8 @@ value-output map (stage V) and the activation check, against the truth of random
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -321,3 +323,39 @@ def test_the_span_polish_settles_where_the_alternating_steps_stop_short():
         span(J, ms, ns, 5, max_iter=3, polish_iter=0)                         # without the polish: not settled
     with pytest.raises(ConvergenceError, match="L-BFGS polish"):
         span(J, ms, ns, 4, max_iter=3)
+
+
+def test_the_span_restarts_find_the_basin_of_real_float32_jacobians():
+    """Real Jacobians that stalled every fixed start: block 1 of the float32 encoder
+    ``bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=566,dtype=float32``, as ``--method encoder`` read them (90
+    points; ``tests/data/span_float32_encoder566_block1.npz``). Alternating steps and the polish from zero or
+    from their best end in a wrong basin (principal angle ~1); the random restarts, compared by energy, must
+    end no higher than the true span's own energy on the same data, and near it."""
+    from headthief.extraction.block.ffn import span
+    from headthief.targets import resolve
+    z = np.load(Path(__file__).parent / "data" / "span_float32_encoder566_block1.npz")
+    J, ms, ns = z["J"], z["ms"], z["ns"]
+    tb = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=566,dtype=float32").truth.blocks[1].astype(np.float64)
+    d = 8
+    P = np.eye(d) - 1.0 / d
+    els = [P @ np.diag(tb.ln1_gamma) @ P] + [P @ np.outer(tb.W2[:, k], tb.W1[k] * tb.ln1_gamma) @ P
+                                             for k in range(tb.W1.shape[0])]
+    truth = np.linalg.qr(np.stack([e.ravel() for e in els], axis=1))[0]
+    E = np.linalg.svd(P)[0][:, :d - 1]
+
+    def energy(Q):                              # sum over points of min over the nuisance of |(I - QQ^T) lifted|^2
+        Y = J.reshape(len(J), -1)
+        Y = Y / np.linalg.norm(Y, axis=1, keepdims=True)
+        total = 0.0
+        for t in range(len(J)):
+            N = np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(d - 1, -1),
+                                np.einsum("ik,j->kij", E, ms[t]).reshape(d - 1, -1)]).T
+            A, b = N - Q @ (Q.T @ N), Y[t] - Q @ (Q.T @ Y[t])
+            r = A @ np.linalg.lstsq(A, -b, rcond=None)[0] + b
+            total += float(r @ r)
+        return total
+
+    Q, lifted, _, _ = span(J, ms, ns, 9, tol=1e-4, best_on_stall=True, rng=np.random.default_rng(0))
+    assert energy(Q) <= energy(truth)
+    assert np.linalg.norm(Q - truth @ (truth.T @ Q), 2) <= 0.05                    # largest sine of the angles
+    assert np.max(np.linalg.norm(lifted - (lifted @ Q) @ Q.T, axis=1)) <= 1e-3

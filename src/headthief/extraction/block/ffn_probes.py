@@ -131,7 +131,7 @@ def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Genera
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
     Q, lifted, iters, change = span(D, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
-                                    best_on_stall=coarse, probes=V)
+                                    best_on_stall=coarse, probes=V, rng=rng)
     pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=p)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3, probes=V)
     coef = coefficients(lifted, gam, pairs, probes=V)
