@@ -27,19 +27,37 @@ def test_a_two_block_encoder_from_the_cli(tmp_path, capsys):
     assert row["worst_rel_err"] <= 1e-9 and row["offsets_rel_err"] <= 1e-9
     assert row["fidelity_max_rel_err"] <= 1e-9 and row["verify_queries"] == 32
     assert row["queries"] == 3 + row["queries_block_0"] + row["queries_block_1"]      # stage E: 3 sequences
+    assert row["fit_attempts_block_0"] == row["fit_attempts_block_1"] == 1
     tensors, meta = read_bert_encoder(out_file)
     assert meta["layers"] == "2" and meta["heads"] == "2"
     assert any(k.startswith("encoder.layer.1.") for k in tensors)
 
 
-def test_a_float32_encoder_within_its_answers_precision(capsys):
+def test_a_float32_encoder_within_its_answers_precision(capsys, monkeypatch):
     """float32 answers (as MiniLM's): the stages' algebra is the fits' start, and every part ends within 1e3 x the
-    answers' rounding (2^-24) of the truth; the model check says float32 and allows 100 x 30 x that rounding."""
+    answers' rounding (2^-24) of the truth; the model check says float32 and allows 100 x 30 x that rounding.
+    The first stage-F part is spoiled (random neurons): that try's fit finds no block, and the method tries
+    stage F again at fresh points instead of calling a genuine encoder a mismatch."""
+    import dataclasses
+
+    from headthief.extraction.block import encoder
+    real, parts = encoder.extract_ffn_on_image, []
+
+    def spoiled_once(*args, **kwargs):
+        part = real(*args, **kwargs)
+        parts.append(part)
+        if len(parts) > 1:
+            return part
+        r = np.random.default_rng(0)
+        return dataclasses.replace(part, W1m=r.standard_normal(part.W1m.shape), W2=r.standard_normal(part.W2.shape))
+
+    monkeypatch.setattr(encoder, "extract_ffn_on_image", spoiled_once)
     eps = 2.0 ** -24
     code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=3,dtype=float32", "--method",
                  "encoder", "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["model_check"]["verdict"] == "pass" and row["model_check"]["answers"] == "float32"
+    assert row["fit_attempts_block_0"] == 2 and len(parts) == 2
     assert 100 * 30 * eps <= row["model_check"]["threshold"] <= 100 * 1e3 * eps     # set by the answers, not the fit
     assert row["worst_rel_err"] <= 1e3 * eps and row["offsets_rel_err"] <= 1e3 * eps
     assert row["fidelity_max_rel_err"] <= row["model_check"]["threshold"]
@@ -68,3 +86,32 @@ def test_the_encoder_target_bad_input():
     t = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=3,seed=2")
     y = np.asarray(t.make_oracle().query(np.ones((1, 4, 8))))
     assert y.shape == (1, 4, 4 * 8)                                   # every layer's states: (3 + 1) x d
+
+
+def test_stage_v_tries_again_after_a_settled_mismatch_only_where_asked():
+    """``retrying``: on the image route a fit that settled above its threshold is a mismatch at once; in the
+    encoder (``settled_mismatch=True``) it is tried again at fresh bases, and a mismatch only when every try is."""
+    from headthief.errors import ConvergenceError, ModelMismatch
+    from headthief.extraction.block.value_sum_image import retrying
+
+    def attempts(*outcomes):
+        it = iter(outcomes)
+
+        def attempt():
+            out = next(it)
+            if isinstance(out, Exception):
+                raise out
+            return out
+        return attempt
+
+    def mismatch():
+        return ModelMismatch("settled far above the stencil's error", check="value-sum", figure=1.0, threshold=0.1)
+
+    with pytest.raises(ModelMismatch):
+        retrying(attempts(mismatch(), "ivs"))
+    assert retrying(attempts(mismatch(), "ivs"), settled_mismatch=True) == "ivs"
+    with pytest.raises(ModelMismatch):
+        retrying(attempts(mismatch(), mismatch(), mismatch()), settled_mismatch=True)
+    unsettled = ConvergenceError("did not settle")
+    with pytest.raises(ConvergenceError):                  # the last try neither: not called a mismatch
+        retrying(attempts(mismatch(), mismatch(), unsettled), settled_mismatch=True)

@@ -25,6 +25,8 @@ inputs and outputs are not seen for k < L - 1, and this route does not apply (sa
 float32 answers (as MiniLM's): the stencils' steps follow the answers' precision (``on_image.answer_precision``),
 stage F's span is a start (kept where it stalls) and the fits bring every part to the answers' precision
 (measured at d = 8: every part within ~2e-6). The model check's floor is then 30x the answers' precision.
+A block whose fit fails its check is tried once more from stage F at fresh points (``FIT_TRIES``); a model
+that is not this class fails every try.
 Stage V's joint fit is dense: d > 88 is refused before the first query.
 """
 
@@ -54,6 +56,9 @@ from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
                          # neuron search failed on 6 of 19 d = 8 encoders (300..318); 10 passed 3 of 3 of them
+FIT_TRIES = 3            # stage F at fresh points, a fresh heads start and the fits, when the fitted block fails
+                         # its check (float32 seed 613, block 0: from one stage-F part, 1 of 6 random heads starts
+                         # stopped at rms 3.7e-4, the other 5 reached 1.1e-7)
 DRAWS = 4               # stage F: candidate points per point kept, at most (each costs its stencil)
 MODEL = "a post-LN BERT encoder (embeddings' LayerNorm, then blocks), every layer's hidden states answered"
 
@@ -240,6 +245,32 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
     return read
 
 
+def _fit_block(oracle: Oracle, paths: _Paths, k: int, ln, ivs: ImageValueSum, rng, eps: float, coarse: bool,
+               fit_pairs, *, heads: int, ffn: int, length: int, verify: int):
+    """One try of block k past stage V: stage F's part (fresh points), the start, the two fits on
+    ``fit_pairs()`` (the same pairs on every try), and the fidelity on fresh forward sequences of 1 to
+    ``length`` tokens."""
+    # behind earlier blocks the paths' Jacobians are good to ~1e-9, not 1e-13 (measured: the span stalled
+    # at 4e-9 .. 7e-8 on 3 of 8 draws at d = 8), and float32 answers leave every stage's algebra a start,
+    # so stage F is a start there (a stalled span is kept) and the fit below polishes it with every other
+    # parameter
+    try:
+        part = extract_ffn_on_image(oracle, ln, rng, ffn=ffn, reader=_ffn_reader(paths, k, ln, ivs, eps),
+                                    start=k > 0 or coarse, points=POINTS * (ffn + 1), precision=eps)
+    except (ConvergenceError, NotIdentifiable) as e:
+        raise type(e)(f"block {k}, stage F: {e}") from e
+    start = start_block(ln, ivs, part, heads, rng)
+    groups = fit_pairs()
+    block, first = refit_block(start, groups, free=HEADS)
+    block, fit = refit_block(block, groups)
+    worst, rms2, count = 0.0, 0.0, 0
+    for T in range(1, length + 1):
+        Xc, Yc = _pairs(paths, k, rng, [max(1, verify // length)], [T])[0]
+        worst = max(worst, float(np.max(np.abs(block.forward(Xc) - Yc))))
+        rms2, count = rms2 + float(np.sum(Yc * Yc)), count + Yc.size
+    return block, part, first, fit, worst / np.sqrt(rms2 / count)
+
+
 def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
     out = []
     for T, c in zip(lengths, counts):
@@ -287,38 +318,30 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         coarse = eps > COARSE
         worst_eps = max(worst_eps, eps)
         act = check_smooth_activation(_BlockView(paths, k), rng, precision=eps, image=paths.image)
-        ivs = retrying(lambda: _value_sum(paths, k, image, rng, eps))
-        # behind earlier blocks the paths' Jacobians are good to ~1e-9, not 1e-13 (measured: the span stalled
-        # at 4e-9 .. 7e-8 on 3 of 8 draws at d = 8), and float32 answers leave every stage's algebra a start,
-        # so stage F is a start there (a stalled span is kept) and the fit below polishes it with every other
-        # parameter
-        try:
-            part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=_ffn_reader(paths, k, ln, ivs, eps),
-                                        start=k > 0 or coarse, points=POINTS * (int(ffn) + 1), precision=eps)
-        except (ConvergenceError, NotIdentifiable) as e:
-            raise type(e)(f"block {k}, stage F: {e}") from e
-        start = start_block(ln, ivs, part, int(heads), rng)
-        groups = _pairs(paths, k, rng, fit_counts(d, int(ffn), positions)[:len(lens)], lens)
-        block, first = refit_block(start, groups, free=HEADS)
-        block, fit = refit_block(block, groups)
-        # the model check: fresh forward sequences of 1 to `length` tokens
-        worst, rms2, count = 0.0, 0.0, 0
-        for T in range(1, length + 1):
-            Xc, Yc = _pairs(paths, k, rng, [max(1, verify // length)], [T])[0]
-            worst = max(worst, float(np.max(np.abs(block.forward(Xc) - Yc))))
-            rms2, count = rms2 + float(np.sum(Yc * Yc)), count + Yc.size
-        fid = worst / np.sqrt(rms2 / count)
-        insample = fit["block_refit_insample"]
+        ivs = retrying(lambda: _value_sum(paths, k, image, rng, eps), settled_mismatch=True)
+        groups = []                             # the fits' pairs: drawn once, after the first try's stage F
+
+        def fit_pairs():
+            if not groups:
+                groups.extend(_pairs(paths, k, rng, fit_counts(d, int(ffn), positions)[:len(lens)], lens))
+            return groups
         # the fit's own residual sets the threshold only once it is within 100x the answers' precision (30 eps;
         # for float64 1e-12: the paths through earlier blocks, measured in-sample 1e-12 .. 3e-12 at d = 8): a
         # wrong model would raise both together
         floor = max(30.0 * eps, 1e-12)
-        limit = CHECK_FACTOR * max(insample, floor)
-        if fid > limit or insample > CHECK_FACTOR * floor:
-            raise ModelMismatch(f"block {k}: the fitted block answers fresh sequences with fidelity {fid:.3g} (limit "
-                                f"{limit:.3g}) after a fit to {insample:.3g} (limit {CHECK_FACTOR * floor:.3g}: "
-                                f"{CHECK_FACTOR}x 30x the answers' precision {eps:.2g})",
-                                check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
+        for attempt in range(1, FIT_TRIES + 1):
+            block, part, first, fit, fid = _fit_block(oracle, paths, k, ln, ivs, rng, eps, coarse, fit_pairs,
+                                                      heads=int(heads), ffn=int(ffn), length=length, verify=verify)
+            insample = fit["block_refit_insample"]
+            limit = CHECK_FACTOR * max(insample, floor)
+            if fid <= limit and insample <= CHECK_FACTOR * floor:
+                break
+            if attempt == FIT_TRIES:            # every try found no block: not this model class
+                raise ModelMismatch(f"block {k}: the fitted block answers fresh sequences with fidelity {fid:.3g} "
+                                    f"(limit {limit:.3g}) after a fit to {insample:.3g} (limit "
+                                    f"{CHECK_FACTOR * floor:.3g}: {CHECK_FACTOR}x 30x the answers' precision "
+                                    f"{eps:.2g}), on each of {FIT_TRIES} tries of stage F at fresh points",
+                                    check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
         P = np.eye(d) - 1.0 / d
         vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                                residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,
@@ -328,7 +351,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         diag = {"activation_ratio": act.ratio, "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
                 "fit_heads_iterations": first["block_refit_iterations"],
                 "fit_iterations": fit["block_refit_iterations"], "fit_rms": fit["block_refit_rms_after"],
-                "fidelity": float(fid), "insample": float(insample), "queries": int(oracle.queries - q0)}
+                "fidelity": float(fid), "insample": float(insample), "fit_attempts": attempt,
+                "queries": int(oracle.queries - q0)}
         per.append(ImageBlockExtraction(block=block, ln=ln_, value=vs_, ffn=part_, attention=att_,
                                         queries=int(oracle.queries - q0), seconds=0.0, diagnostics=diag,
                                         method="block (encoder)", image=image))
@@ -344,6 +368,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                             diagnostics={"blocks": figures, "embedding_residual": emb.residual,
                                          **{f"queries_block_{i}": f["queries"] for i, f in enumerate(figures)},
                                          **{f"fidelity_block_{i}": f["fidelity"] for i, f in enumerate(figures)},
+                                         **{f"fit_attempts_block_{i}": f["fit_attempts"]
+                                            for i, f in enumerate(figures)},
                                          "fitted": "every block's heads (fitted to observed inputs and answers from "
                                                    "a start that satisfies stage V); the rest by the stages' algebra",
                                          **cost(oracle, before)})

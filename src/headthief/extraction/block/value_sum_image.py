@@ -164,20 +164,31 @@ class _Fit:
 TRIES = 3                 # stage V on the image: fresh bases after a fit that did not settle
 
 
-def retrying(attempt, tries: int = TRIES):
+def retrying(attempt, tries: int = TRIES, *, settled_mismatch: bool = False):
     """``attempt()`` again (at fresh random bases: it draws them itself) after a :class:`ConvergenceError`,
     ``tries`` times in all. Measured: the fit from ``B = I`` stalled at a relative residual of 0.015 on 1 of 20
     d = 16 blocks (seed 9218 of ``bench_block_image.py --whole``). When every try stopped far above the
     stencil's error (:func:`solve_bases` attaches the mismatch), no one block explains the answers: a
-    :class:`ModelMismatch` (measured: a float32 two-block stack, 0.2 on every try); else the last error."""
+    :class:`ModelMismatch` (measured: a float32 two-block stack, 0.2 on every try); else the last error.
+    ``settled_mismatch``: a fit that settled above the threshold is tried again too, and is a mismatch only
+    when every try is (``--method encoder``: behind block 0 the reads carry the paths' conditioning; a float32
+    encoder's block 1 settled at 8.3e-3 against the threshold 4.7e-3 at 3 bases, and at 8.5e-4 at fresh ones,
+    measured on seed 601)."""
     errors = []
     for _ in range(tries):
         try:
             return attempt()
         except ConvergenceError as e:
             errors.append(e)
-    if all(getattr(e, "mismatch", None) is not None for e in errors):
-        raise errors[-1].mismatch from errors[-1]
+        except ModelMismatch as e:
+            if not settled_mismatch:
+                raise
+            errors.append(e)
+    mismatches = [e if isinstance(e, ModelMismatch) else getattr(e, "mismatch", None) for e in errors]
+    if all(m is not None for m in mismatches):
+        if mismatches[-1] is errors[-1]:
+            raise errors[-1]
+        raise mismatches[-1] from errors[-1]
     raise errors[-1]
 
 
