@@ -36,28 +36,22 @@ def test_a_two_block_encoder_from_the_cli(tmp_path, capsys):
 def test_a_float32_encoder_within_its_answers_precision(capsys, monkeypatch):
     """float32 answers (as MiniLM's): the stages' algebra is the fits' start, and every part ends within 1e3 x the
     answers' rounding (2^-24) of the truth; the model check says float32 and allows 100 x 30 x that rounding.
-    The first stage-F part is spoiled (random neurons): that try's fit finds no block, and the method tries
-    stage F again at fresh points instead of calling a genuine encoder a mismatch."""
-    import dataclasses
-
+    The first try's two fits are cut to one L-BFGS iteration (a fit that stalls): that try finds no block, and
+    the method tries stage F and the fits again instead of calling a genuine encoder a mismatch."""
     from headthief.extraction.block import encoder
-    real, parts = encoder.extract_ffn_on_image, []
+    real, fits = encoder.refit_block, []
 
-    def spoiled_once(*args, **kwargs):
-        part = real(*args, **kwargs)
-        parts.append(part)
-        if len(parts) > 1:
-            return part
-        r = np.random.default_rng(0)
-        return dataclasses.replace(part, W1m=r.standard_normal(part.W1m.shape), W2=r.standard_normal(part.W2.shape))
+    def stalls_first(start, groups, **kwargs):
+        fits.append(kwargs)
+        return real(start, groups, **(kwargs if len(fits) > 2 else {**kwargs, "max_iter": 1}))
 
-    monkeypatch.setattr(encoder, "extract_ffn_on_image", spoiled_once)
+    monkeypatch.setattr(encoder, "refit_block", stalls_first)
     eps = 2.0 ** -24
     code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=3,dtype=float32", "--method",
                  "encoder", "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["model_check"]["verdict"] == "pass" and row["model_check"]["answers"] == "float32"
-    assert row["fit_attempts_block_0"] == 2 and len(parts) == 2
+    assert row["fit_attempts_block_0"] == 2 and len(fits) == 4
     assert 100 * 30 * eps <= row["model_check"]["threshold"] <= 100 * 1e3 * eps     # set by the answers, not the fit
     assert row["worst_rel_err"] <= 1e3 * eps and row["offsets_rel_err"] <= 1e3 * eps
     assert row["fidelity_max_rel_err"] <= row["model_check"]["threshold"]

@@ -330,8 +330,14 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         # wrong model would raise both together
         floor = max(30.0 * eps, 1e-12)
         for attempt in range(1, FIT_TRIES + 1):
-            block, part, first, fit, fid = _fit_block(oracle, paths, k, ln, ivs, rng, eps, coarse, fit_pairs,
-                                                      heads=int(heads), ffn=int(ffn), length=length, verify=verify)
+            try:
+                block, part, first, fit, fid = _fit_block(oracle, paths, k, ln, ivs, rng, eps, coarse, fit_pairs,
+                                                          heads=int(heads), ffn=int(ffn), length=length,
+                                                          verify=verify)
+            except ConvergenceError:            # stage F did not settle, or a fit could not improve its start
+                if attempt == FIT_TRIES:
+                    raise
+                continue
             insample = fit["block_refit_insample"]
             limit = CHECK_FACTOR * max(insample, floor)
             if fid <= limit and insample <= CHECK_FACTOR * floor:
