@@ -56,6 +56,8 @@ from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
 FLOAT64 = 1e-10         # LN2's sphere residual at most this: float64 answers (measured 3e-13 .. 1.5e-12)
+FIT_TRIES = 3           # coarse answers: stage F and the fit, when the fit stops above GOOD_FACTOR x the floor
+GOOD_FACTOR = 10        # ... times the parts' precision (check_precision); the check itself allows CHECK_FACTOR
 EPS = 1e-15             # the stencils' precision for float64 answers (the free-input stages' validated floor)
 
 
@@ -135,9 +137,9 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     clock = [time.perf_counter()]
 
     def mark(name, q0):
-        stages[f"queries_stage_{name}"] = int(oracle.queries - q0)
-        now = time.perf_counter()
-        stages[f"seconds_stage_{name}"] = round(now - clock[0], 2)
+        stages[f"queries_stage_{name}"] = stages.get(f"queries_stage_{name}", 0) + int(oracle.queries - q0)
+        now = time.perf_counter()                                  # a stage tried again adds to its figures
+        stages[f"seconds_stage_{name}"] = round(stages.get(f"seconds_stage_{name}", 0.0) + now - clock[0], 2)
         clock[0] = now
         if progress is not None:
             progress(stages[f"queries_stage_{name}"])
@@ -156,17 +158,28 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ivs = retrying(lambda: value_sum_on_image(oracle, image, rng, precision=eps))
     mark("V", q0)
     q0 = oracle.queries
-    part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), reader=image_reader(oracle, ln, ivs, precision=eps),
-                                precision=eps)
-    one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
-    mark("F", q0)
-    q0 = oracle.queries
-    start = start_block(ln, ivs, part, int(heads), rng)
-    groups = _sequences(oracle, image, rng, int(ffn), positions)
-    block, first = refit_block(start, groups, free=HEADS)          # the heads alone first: ~10x fewer steps
-    block, fit = refit_block(block, groups)                          # then every parameter
-    fit["block_refit_heads_iterations"] = first["block_refit_iterations"]
-    mark("A", q0)
+    groups, tries = [], []
+    for attempt in range(1, FIT_TRIES + 1):
+        q0 = oracle.queries
+        part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), precision=eps,
+                                    reader=image_reader(oracle, ln, ivs, precision=eps))
+        one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
+        mark("F", q0)
+        q0 = oracle.queries
+        start = start_block(ln, ivs, part, int(heads), rng)
+        groups = groups or _sequences(oracle, image, rng, int(ffn), positions)
+        block, first = refit_block(start, groups, free=HEADS)          # the heads alone first: ~10x fewer steps
+        block, fit = refit_block(block, groups)                          # then every parameter
+        fit["block_refit_heads_iterations"] = first["block_refit_iterations"]
+        fit["block_fit_attempts"] = attempt
+        mark("A", q0)
+        tries.append((fit["block_refit_insample"], attempt, part, one, block, fit))
+        # coarse answers: a fit that stopped above 10x the answers' floor left a part poorly started (measured:
+        # float32 seed 9322 of bench_block_image.py, an FFN part at 1.4e-2, fidelity 4.8e-5 against ~1e-6 for
+        # nine others): stage F again at fresh points, the fit on the same sequences; the best try is kept
+        if eps <= COARSE or fit["block_refit_insample"] <= GOOD_FACTOR * check_precision(eps, one["fidelity"]):
+            break
+    _, _, part, one, block, fit = min(tries, key=lambda t: t[0])
     P = np.eye(d) - 1.0 / d
     vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                            residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,
