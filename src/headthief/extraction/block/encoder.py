@@ -25,8 +25,9 @@ inputs and outputs are not seen for k < L - 1, and this route does not apply (sa
 float32 answers (as MiniLM's): the stencils' steps follow the answers' precision (``on_image.answer_precision``),
 stage F's span is a start (kept where it stalls) and the fits bring every part to the answers' precision
 (measured at d = 8: every part within ~2e-6). The model check's floor is then 30x the answers' precision.
-A block whose fit fails its check is tried once more from stage F at fresh points (``FIT_TRIES``); a model
-that is not this class fails every try.
+A block whose fit fails its check is tried again from stage F at fresh points with a fresh heads start
+(``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTOR`` x the floor, the best passing try kept); a
+model that is not this class fails every try.
 Stage V's joint fit is dense: d > 88 is refused before the first query.
 """
 
@@ -342,7 +343,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
             insample = fit["block_refit_insample"]
             limit = CHECK_FACTOR * max(insample, floor)
             if fid <= limit and insample <= CHECK_FACTOR * floor:
-                passed.append((insample, attempt, block, part, first, fit, fid))
+                passed.append((insample, block, part, first, fit, fid))
                 # coarse answers: a pass above 10x the floor is tried again and the best try kept (as on the
                 # image route, where such a pass was 40x worse than the other seeds')
                 if not coarse or insample <= GOOD_FACTOR * floor:
@@ -354,7 +355,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                                 f"{eps:.2g}), on each of {FIT_TRIES} tries of stage F at fresh points",
                                 check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
         ran = attempt                           # tries run; the best passing one is kept
-        insample, _, block, part, first, fit, fid = min(passed, key=lambda t: t[0])
+        insample, block, part, first, fit, fid = min(passed, key=lambda t: t[0])
         P = np.eye(d) - 1.0 / d
         vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                                residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,

@@ -213,9 +213,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     # not by the fixed-point residual: behind a float32 encoder's first block a wrong basin kept the smaller
     # residual while its energy was 300x the right one's (measured, seed 566)
     def energy(nu):
-        L = Y + apply(nu)
-        Vt = np.linalg.svd(L, full_matrices=False)[2][:rank]
-        R = L - (L @ Vt.T) @ Vt
+        R = _outside(Y + apply(nu), rank)
         return float(np.sum(R * R))
 
     rng = np.random.default_rng(0) if rng is None else rng
@@ -261,6 +259,12 @@ def _nuisance_maps(Y, ns, ms, E, probes, Nbs):
     return apply, adjoint
 
 
+def _outside(L: np.ndarray, rank: int) -> np.ndarray:
+    """L's rows minus their projection on L's top ``rank`` principal subspace (the polish's residual)."""
+    Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
+    return L - (L @ Q) @ Q.T
+
+
 def _polish(Y: np.ndarray, apply, adjoint, nu0: np.ndarray, rank: int, *, max_iter: int) -> np.ndarray:
     """The nuisances minimising the lifted matrices' energy outside their top ``rank`` principal subspace,
     ``f(nu) = |L (I - Q Q^T)|^2`` with ``L = Y + N(nu)``, by L-BFGS from ``nu0``. Q is optimal for L, so the
@@ -270,9 +274,7 @@ def _polish(Y: np.ndarray, apply, adjoint, nu0: np.ndarray, rank: int, *, max_it
     shape = nu0.shape
 
     def fun(x):
-        L = Y + apply(x.reshape(shape))
-        Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
-        R = L - (L @ Q) @ Q.T
+        R = _outside(Y + apply(x.reshape(shape)), rank)
         return float(np.sum(R * R)), 2.0 * adjoint(R).ravel()
 
     x0 = nu0.ravel()

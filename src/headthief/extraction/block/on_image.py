@@ -159,7 +159,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     mark("V", q0)
     q0 = oracle.queries
     groups, tries = [], []
-    for attempt in range(1, FIT_TRIES + 1):
+    for _ in range(FIT_TRIES):
         q0 = oracle.queries
         part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), precision=eps,
                                     reader=image_reader(oracle, ln, ivs, precision=eps))
@@ -171,15 +171,15 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
         block, first = refit_block(start, groups, free=HEADS)          # the heads alone first: ~10x fewer steps
         block, fit = refit_block(block, groups)                          # then every parameter
         fit["block_refit_heads_iterations"] = first["block_refit_iterations"]
-        fit["block_fit_attempts"] = attempt
         mark("A", q0)
-        tries.append((fit["block_refit_insample"], attempt, part, one, block, fit))
+        tries.append((fit["block_refit_insample"], part, one, block, fit))
         # coarse answers: a fit that stopped above 10x the answers' floor left a part poorly started (measured:
         # float32 seed 9322 of bench_block_image.py, an FFN part at 1.4e-2, fidelity 4.8e-5 against ~1e-6 for
         # nine others): stage F again at fresh points, the fit on the same sequences; the best try is kept
         if eps <= COARSE or fit["block_refit_insample"] <= GOOD_FACTOR * check_precision(eps, one["fidelity"]):
             break
-    _, _, part, one, block, fit = min(tries, key=lambda t: t[0])
+    _, part, one, block, fit = min(tries, key=lambda t: t[0])
+    fit["block_fit_attempts"] = len(tries)                         # tries run (as the encoder's fit_attempts)
     P = np.eye(d) - 1.0 / d
     vs = with_map(ValueSum(B=P, b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                            residual=ivs.residual, conditioning=ivs.conditioning, expected=ivs.expected,
