@@ -359,3 +359,23 @@ def test_the_span_restarts_find_the_basin_of_real_float32_jacobians():
     assert energy(Q) <= energy(truth)
     assert np.linalg.norm(Q - truth @ (truth.T @ Q), 2) <= 0.05                    # largest sine of the angles
     assert np.max(np.linalg.norm(lifted - (lifted @ Q) @ Q.T, axis=1)) <= 1e-3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_neuron_profile_seen_over_a_narrow_range_keeps_its_sign(seed):
+    """A GELU' profile ``rho = kappa GELU'(alpha xi + beta)`` read only where ``xi`` spans [-0.16, 1.87] (the
+    reach of block 1's weakest neuron of the float32 encoder seed 662, alpha = -0.428, beta = -0.853), with 1%
+    noise. Over so narrow a range a positive alpha at 3x the scale fits almost as well (GELU'(-x) =
+    1 - GELU'(x)); the 8 best grid nodes were all positive and the fit ended there. The fit must reach at
+    most the truth's own residual on the same data, with alpha's sign."""
+    from headthief.extraction.block.ffn import _profile_fit
+    from headthief.models.bert_block import gelu_prime
+    rng = np.random.default_rng(seed)
+    xi = rng.uniform(-0.16, 1.87, 90)
+    clean = 0.05 * gelu_prime(-0.428 * xi - 0.853)
+    rho = clean + rng.standard_normal(90) * 0.01 * np.linalg.norm(clean) / np.sqrt(90)
+    kappa = clean @ rho / (clean @ clean) * 0.05                         # the truth's best kappa on these data
+    truth_res = np.linalg.norm(kappa * gelu_prime(-0.428 * xi - 0.853) - rho) / np.linalg.norm(rho)
+    alpha, beta, _, res = _profile_fit(xi, rho)
+    assert res <= truth_res
+    assert alpha < 0
