@@ -37,9 +37,12 @@ def test_a_float32_encoder_within_its_answers_precision(capsys, monkeypatch):
     """float32 answers (as MiniLM's): the stages' algebra is the fits' start, and every part ends within 1e3 x the
     answers' rounding (2^-24) of the truth; the model check says float32 and allows 100 x 30 x that rounding.
     The first try's two fits are cut to one L-BFGS iteration (a fit that stalls): that try finds no block, and
-    the method tries stage F and the fits again instead of calling a genuine encoder a mismatch."""
+    the method tries stages V, F and the fits again (stage V at fresh bases: one fit per try) instead of calling
+    a genuine encoder a mismatch."""
     from headthief.extraction.block import encoder
     real, fits = encoder.refit_block, []
+    real_v, stage_v = encoder._value_sum, []
+    monkeypatch.setattr(encoder, "_value_sum", lambda *a: stage_v.append(real_v(*a)) or stage_v[-1])
 
     def stalls_first(start, groups, **kwargs):
         fits.append(kwargs)
@@ -51,7 +54,8 @@ def test_a_float32_encoder_within_its_answers_precision(capsys, monkeypatch):
                  "encoder", "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["model_check"]["verdict"] == "pass" and row["model_check"]["answers"] == "float32"
-    assert row["fit_attempts_block_0"] == 2 and len(fits) == 4
+    assert row["fit_attempts_block_0"] == 2 and len(fits) == 4 and len(stage_v) == 2
+    assert stage_v[0].K is not stage_v[1].K and not np.array_equal(stage_v[0].K, stage_v[1].K)
     assert 100 * 30 * eps <= row["model_check"]["threshold"] <= 100 * 1e3 * eps     # set by the answers, not the fit
     assert row["worst_rel_err"] <= 1e3 * eps and row["offsets_rel_err"] <= 1e3 * eps
     assert row["fidelity_max_rel_err"] <= row["model_check"]["threshold"]
