@@ -61,6 +61,19 @@ def test_a_float32_encoder_within_its_answers_precision(capsys, monkeypatch):
     assert row["fidelity_max_rel_err"] <= row["model_check"]["threshold"]
 
 
+def test_a_float32_block_far_above_the_methods_precision_is_not_called_done(capsys, monkeypatch):
+    """A block whose best fit stays above 10x the method's floor is not reported as extracted (exit 4, the
+    figures named), though the model class is right: the floor is made 1e6x stricter here, one try."""
+    from headthief.extraction.block import encoder
+    monkeypatch.setattr(encoder, "FIT_TRIES", 1)
+    monkeypatch.setattr(encoder, "GOOD_FACTOR", 1e-5)
+    code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=3,dtype=float32", "--method",
+                 "encoder", "--verify", "32", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 4 and "block 0: the best of 1 fits" in row["error"] and "not at the method's precision" in row["error"]
+    assert row["queries_sent"] > 0
+
+
 def test_an_encoder_wider_than_the_dense_stage_v_is_refused_before_any_query(capsys):
     code = main(["extract", "--target", "bert-encoder:d=96,heads=2,ffn=8,layers=1", "--method", "encoder", "--json"])
     row = json.loads(capsys.readouterr().out)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ModelMismatch, SpecError
+from ...errors import ConvergenceError, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import cost, counters
 from ..result import Fidelity, rel_err
@@ -202,10 +202,15 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     res = ImageBlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att,
                                queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
                                diagnostics=diag, method="block (image)", image=image)
-    if not check:
-        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
-    return dataclasses.replace(res, check=_check(res, oracle, image, rng, verify, insample,
-                                                 check_precision(eps, one["fidelity"]), kind.describe()))
+    floor = check_precision(eps, one["fidelity"])
+    mc = (_check(res, oracle, image, rng, verify, insample, floor, kind.describe()) if check
+          else ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+    if eps > COARSE and fit["block_refit_insample"] > GOOD_FACTOR * floor:
+        # the right model class (the check passed), but an order of magnitude above the method's precision is
+        # not reported as done (as in --method encoder)
+        raise ConvergenceError(f"the best of {len(tries)} fits reached in-sample {fit['block_refit_insample']:.3g}, "
+                               f"above {GOOD_FACTOR}x the method's floor {floor:.3g}: not at the method's precision")
+    return dataclasses.replace(res, check=mc)
 
 
 def answer_precision(oracle: Oracle, Y: np.ndarray):
