@@ -25,9 +25,10 @@ inputs and outputs are not seen for k < L - 1, and this route does not apply (sa
 float32 answers (as MiniLM's): the stencils' steps follow the answers' precision (``on_image.answer_precision``),
 stage F's span is a start (kept where it stalls) and the fits bring every part to the answers' precision
 (measured at d = 8: every part within ~2e-6). The model check's floor is then 30x the answers' precision.
-A block whose fit fails its check is tried again from stage V at fresh points with a fresh heads start
-(``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTOR`` x the floor, the best passing try kept); a
-model that is not this class fails every try.
+A block whose fit fails its check is tried again from stage V at fresh bases, stage F at fresh points and a
+fresh heads start (``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTOR`` x the floor, the best
+passing try kept, and a best try still above it ends in :class:`ConvergenceError`: not at the method's
+precision); a model that is not this class fails every try.
 Stage V's joint fit is dense: d > 88 is refused before the first query.
 """
 
@@ -363,7 +364,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         ran = attempt                           # tries run; the best passing one is kept
         insample, block, part, first, fit, fid, ivs = min(passed, key=lambda t: t[0])
         if coarse and insample > GOOD_FACTOR * floor:
-            # not an order of magnitude worse than the method's precision and called done (measured: float32
+            # a result an order of magnitude above the method's precision is not called done (measured: float32
             # seed 694's block 1, best of 3 fits at in-sample 3.7e-5, the encoder's fidelity 1.5e-4 where
             # 19 other seeds reach 1.8e-6 .. 5.6e-6)
             raise ConvergenceError(f"block {k}: the best of {ran} fits reached in-sample {insample:.3g} (fidelity "

@@ -21,7 +21,9 @@ The stages:
 
 float32 answers: the stencils' steps follow the answers' precision (:func:`answer_precision`), the stages'
 algebra is the fit's start (stage F's span is a start there), and the model check allows 100x 30x the answers'
-precision (:func:`check_precision`), never 100x the fit's own residual.
+precision (:func:`check_precision`), never 100x the fit's own residual. A fit above ``GOOD_FACTOR`` x that
+floor is tried again from stage F (``FIT_TRIES``, the best kept); if the best is still above it, the run
+ends in :class:`ConvergenceError` after the model check: the right class, not at the method's precision.
 
 Identifiable on the image, and compared that way (:func:`image_block_errors`): besides the free-input
 symmetries (:mod:`.extract`), only the parts acting on the image's directions: ``B G P0`` (not ``B gamma_p``),
