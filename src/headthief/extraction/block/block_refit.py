@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import minimize_in_chunks, normalize, normalize_back, pack, unpack
+from .lbfgs import GAIN, minimize_in_chunks, normalize, normalize_back, pack, unpack
 
 MAX_ITER = 20000
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
@@ -92,11 +92,12 @@ def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = 
     return L, pack(grads, shapes)
 
 
-def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES):
+def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
-    relative to the answers' rms, the largest in-sample error over that rms, the iterations.
-    :class:`ConvergenceError` if the fit cannot improve."""
+    relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
+    chunks' stopping rule (:func:`.lbfgs.minimize_in_chunks`). :class:`ConvergenceError` if the fit cannot
+    improve."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     start = params_of(block)
     shapes = {k: np.shape(start[k]) for k in NAMES if k in free}
@@ -114,7 +115,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter)
+    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain)
     before = float(np.sqrt(2 * L0 / count) / rms)
     after = float(np.sqrt(2 * L1 / count) / rms)
     if not np.isfinite(L1) or L1 >= L0:

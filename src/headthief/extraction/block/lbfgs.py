@@ -7,6 +7,7 @@ import numpy as np
 
 CHUNK = 500            # L-BFGS iterations per chunk
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
+SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
 
 
 def normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,10 +38,12 @@ def unpack(theta: np.ndarray, shapes: dict) -> dict:
     return out
 
 
-def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int) -> tuple[np.ndarray, float, int, str]:
+def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int,
+                       gain: float = GAIN) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
-    iterations until one gains less than 10% rms or ``max_iter`` iterations are spent: ``(theta, loss,
-    iterations, message)``, the best point seen (the start when nothing improved on it)."""
+    iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
+    iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
+    improved on it)."""
     from scipy.optimize import minimize
     theta, L1, iters, message = theta0, float(L0), 0, ""
     while iters < max_iter:
@@ -49,7 +52,7 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int) -> tup
                                 "ftol": 0.0, "gtol": 0.0})
         iters += int(sol.nit)
         message = str(sol.message)
-        gained = float(sol.fun) < GAIN * L1
+        gained = float(sol.fun) < gain * L1
         if float(sol.fun) < L1:
             theta, L1 = sol.x, float(sol.fun)
         if not gained or int(sol.nit) == 0:
