@@ -421,23 +421,41 @@ METHODS["block"] = Method(
 
 
 def _run_encoder(oracle, target, args, progress, clean=None):
-    from .extraction.block.encoder import extract_encoder
+    from .extraction.block.encoder import dense_stage_v, extract_encoder
     info = (target.info or {}) if target is not None else {}
     heads, ffn = _block_sizes(target, args)
     heads = heads or info.get("heads")
     layers = info.get("layers") or info.get("n_layers")
-    if heads is None or ffn is None or layers is None:
-        raise SpecError("--method encoder needs the head count, the FFN's width and the number of layers "
-                        f"(--heads H, --ffn M; {target.spec} does not publish them)")
-    if oracle.d_out != (int(layers) + 1) * oracle.d:
-        raise SpecError(f"--method encoder reads every layer's hidden states; {target.spec} answers {oracle.d_out} "
-                        f"numbers per position, not (layers + 1) x d = {(int(layers) + 1) * oracle.d}. With only the last "
-                        "layer's states the inputs and outputs of blocks 0..L-2 are never seen, and this method does "
-                        "not apply (see docs/block.md)")
+    if layers is None:
+        raise SpecError(f"--method encoder needs the number of layers ({target.spec} does not publish it)")
+    L, d = int(layers), oracle.d
+    if oracle.d_out not in (d, (L + 1) * d):
+        raise SpecError(f"--method encoder reads every layer's hidden states ((layers + 1) x d = {(L + 1) * d}) or "
+                        f"the last layer's (d = {d}); {target.spec} answers {oracle.d_out} numbers per position")
     kw = check_kw(args)
-    return extract_encoder(oracle, layers=int(layers), heads=int(heads), ffn=int(ffn),
-                           rng=np.random.default_rng(args.seed), length=min(16, int(info.get("positions", 16))), verify=kw["verify"], check=kw["check"],
-                           check_rng=kw["check_rng"], progress=progress)
+    length = min(16, int(info.get("positions", 16)))
+    rng = np.random.default_rng(args.seed)
+    too_large = dense_stage_v(d)
+    if oracle.d_out == d or too_large:
+        # what is possible without taking a block apart; the run ends in exit 2 with those parts in the row
+        from .extraction.block.encoder_parts import extract_encoder_parts, not_recovered
+        if oracle.d_out == d and L > 0:
+            hidden = "last"
+            reason = (f"blocks 1..{L}: with the last layer's hidden states only, no block's input and output are both "
+                      "seen (block L's input is block L - 1's output), and every per-block stage here reads both; "
+                      "LN_emb's gamma and beta (only its normalised input is set). Whether the composition is "
+                      "identifiable from its end alone is not known; no method here takes it apart (docs/block.md)")
+        else:
+            hidden = "all"
+            reason = f"the blocks: {too_large} (docs/block.md)"
+        parts = extract_encoder_parts(oracle, layers=L, hidden=hidden, rng=rng, length=length, verify=kw["verify"],
+                                      check=kw["check"], check_rng=kw["check_rng"], reason=reason, progress=progress)
+        raise not_recovered(parts)
+    if heads is None or ffn is None:
+        raise SpecError("--method encoder needs the head count and the FFN's width "
+                        f"(--heads H, --ffn M; {target.spec} does not publish them)")
+    return extract_encoder(oracle, layers=L, heads=int(heads), ffn=int(ffn), rng=rng, length=length,
+                           verify=kw["verify"], check=kw["check"], check_rng=kw["check_rng"], progress=progress)
 
 
 METHODS["encoder"] = Method(
@@ -445,7 +463,8 @@ METHODS["encoder"] = Method(
     "ours: a whole BERT encoder queried with inputs_embeds, every layer's hidden states answered (float64 or "
     "float32; d <= 88): the embeddings' LayerNorm and position offsets, then each block from forward paths (its "
     "inputs observed, never inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's "
-    "image (--heads, --ffn)")
+    "image (--heads, --ffn). With hidden=last, or d > 88: what the API gives away without a block taken apart "
+    "(the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check), exit 2")
 
 
 def _run_rope(oracle, target, args, progress, clean=None):

@@ -549,6 +549,8 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
         if partial is not None and tgt is not None:
             row = report_row(tgt, opts.method, partial, None, opts.seed)
             row["error"] = str(exc)
+            if oracle is not None:
+                row["queries_sent"] = oracle_stack(oracle)[-1].queries
             if _failed_fidelity(exc) is not None:
                 row["fidelity_max_rel_err"] = _failed_fidelity(exc)     # the figure that failed the check
         else:

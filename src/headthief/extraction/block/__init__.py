@@ -21,8 +21,13 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
   (stage V from great-circle Jacobians), :mod:`.ffn_image` (stage F through ``dm/dn``) and
   :mod:`.on_image` (the whole block: those stages, then the heads fitted to answers of image sequences).
 
-Not built: ``--method encoder`` (the inversion of extracted blocks); stage V refuses MiniLM's float32
-one-token Jacobian, and stage A's reads and both refits have not been scaled to d = 384. See ``docs/block.md``.
+* :mod:`.encoder` (``--method encoder``): a whole encoder answering every layer's hidden states, block by
+  block from forward paths (each block's inputs observed, never inverted), d <= 88;
+* :mod:`.encoder_parts`: what an encoder API gives away without a block taken apart (``hidden=last``, or
+  d > 88): the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check.
+
+Not reached at MiniLM's size (d = 384): stage V refuses MiniLM's float32 one-token Jacobian, and stage A's
+reads, stage F's span and both refits have not been scaled to d = 384. See ``docs/block.md``.
 """
 
 from .embeddings import Embeddings, embedding_stage

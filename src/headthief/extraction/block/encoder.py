@@ -19,8 +19,9 @@ answered. So no extracted block is inverted, and block k's errors never enter bl
 * stage F (:mod:`.ffn_image`'s reader) takes the observed one-token moves ``dx/ds`` as its tangent basis.
 
 Block k's input image is LN_emb's (k = 0) or block k - 1's output LayerNorm (its stage L, exact). Each block
-is then :mod:`.on_image`'s method with these reads. With ``hidden=last`` only ``h_L`` is answered: block k's
-inputs and outputs are not seen for k < L - 1, and this route does not apply (say so, exit 2).
+is then :mod:`.on_image`'s method with these reads. With ``hidden=last`` only ``h_L`` is answered: no block's
+input and output are both seen, and this route does not apply; ``--method encoder`` then reads what is
+possible without a block (:mod:`.encoder_parts`: the offsets, the last LayerNorm) and ends in exit 2.
 
 float32 answers (as MiniLM's): the stencils' steps follow the answers' precision (``on_image.answer_precision``),
 stage F's span is a start (kept where it stalls) and the fits bring every part to the answers' precision
@@ -30,7 +31,8 @@ fresh heads start (``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTO
 passing try kept; a best try still above it goes on fitting at 1% a chunk for at most ``POLISH`` iterations,
 and if it stays above it the run ends in :class:`ConvergenceError`: not at the method's precision); a model
 that is not this class fails every try.
-Stage V's joint fit is dense: d > 88 is refused before the first query.
+Stage V's joint fit is dense: d > 88 is refused before the first query (``--method encoder`` then reads the
+parts of :mod:`.encoder_parts` instead: LN_emb, the offsets, every layer's output LayerNorm; exit 2).
 """
 
 from __future__ import annotations
@@ -291,6 +293,15 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
     return out
 
 
+def dense_stage_v(d: int) -> str:
+    """Why stage V's dense joint fit is not built for width d (a sentence), or "" where it is (d <= 88)."""
+    unknowns = (d - 1) ** 2 + (d - 1) + BASES * (d - 2)
+    if unknowns <= MAX_UNKNOWNS:
+        return ""
+    return (f"stage V on the image fits {unknowns} unknowns per block jointly with a dense solver (at most "
+            f"{MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
+
+
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
                     positions: int | None = None, progress=None) -> EncoderExtraction:
@@ -303,10 +314,9 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                         f"numbers per position), got {oracle.d_out}: with hidden=last block k's inputs are never seen")
     if int(heads) < 1 or d % int(heads):
         raise SpecError(f"heads={heads} must divide d={d}")
-    unknowns = (d - 1) ** 2 + (d - 1) + BASES * (d - 2)
-    if unknowns > MAX_UNKNOWNS:                                         # refused before the first query
-        raise SpecError(f"stage V on the image fits {unknowns} unknowns per block jointly with a dense solver (at "
-                        f"most {MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
+    too_large = dense_stage_v(d)
+    if too_large:                                                       # refused before the first query
+        raise SpecError(f"{too_large} (encoder_parts.extract_encoder_parts reads what is possible at this size)")
     t0 = time.perf_counter()
     from ..check import counters
     before = counters(oracle)
@@ -446,4 +456,4 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                                                      threshold=limit, verify_queries=fid.queries, detail=detail))
 
 
-__all__ = ["EncoderExtraction", "extract_encoder"]
+__all__ = ["EncoderExtraction", "dense_stage_v", "extract_encoder"]
