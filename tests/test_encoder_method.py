@@ -91,10 +91,10 @@ def test_the_last_layer_only_gives_the_offsets_and_the_last_layernorm(capsys, dt
     mc = row["model_check"]
     assert code == 2 and mc["verdict"] == "pass" and "Not recovered: blocks 1..2" in row["error"]
     eps = 1e-15 if dtype == "float64" else 2.0 ** -24
-    floor = max(30 * eps * row["offsets_condition"], 1e-12)
-    assert 1.0 <= row["offsets_condition"] <= 1e4
+    assert row["offsets_floor"] >= 30 * eps * row["offsets_condition"] and 1.0 <= row["offsets_condition"] <= 1e4
+    assert row["offsets_residual"] <= 100 * row["offsets_floor"]
     assert mc["threshold"] == pytest.approx(100 * max(2 * 16 * row["offsets_residual"],
-                                                      row["offsets_residual_all_tokens"], floor))       # set by the answers
+                                                      row["offsets_residual_all_tokens"], row["offsets_floor"]))       # set by the answers
     assert row["offsets_rel_err"] <= mc["threshold"] and row["ln_out_gamma_rel_err"] <= mc["threshold"]
     assert row["ln_out_beta_rel_err"] <= mc["threshold"] and mc["figure"] <= mc["threshold"]
     assert row["equivariance_without_offsets"] > 10 * mc["threshold"]       # the check sees the offsets
@@ -144,6 +144,11 @@ def test_constant_output_coordinates_are_read_as_such():
     assert np.allclose(read.constant_value, np.asarray(last.ln2_beta)[[2, 5]], rtol=0, atol=1e-12)
     err = parts.errors(enc)
     assert err["ln_out_gamma_rel_err"] is None and err["ln_out_constant_err"] <= 1e-12
+    from headthief.errors import NotIdentifiable
+    from headthief.extraction.block.layernorm import fit_output_layernorm
+    Y = np.asarray(ModelOracle(enc).query(np.random.default_rng(1).standard_normal((8, 4, 8)))).reshape(-1, 8)
+    with pytest.raises(NotIdentifiable, match="output coordinates 2, 5 are constant"):     # stage L says why
+        fit_output_layernorm(Y)
     assert err["offsets_rel_err"] <= parts.check.threshold
 
 

@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
+from ...models.bert_block import BERT_EPS
 from ...oracles.base import Oracle
 from .embeddings import Embeddings, embedding_stage
 from .extract import CHECK_FACTOR
-from .layernorm import OutputLayerNorm, fit_output_layernorm
+from .layernorm import OutputLayerNorm, constant_coordinates, fit_output_layernorm
 from .on_image import answer_precision
 from .smoothness import THRESHOLD as SMOOTH
 from .smoothness import check_smooth_activation
@@ -69,7 +70,8 @@ class ScaleOffsets:
     start_residual: float    # the same at the Jacobians' start
     steps: int               # Newton steps taken (largest over positions)
     queries: int
-    condition: float = 1.0   # largest ||J|| |x_t + c_t| / rms(answers) over the bases: rounding's amplification
+    condition: float = 1.0   # largest rms gain ||J||_F / sqrt(d - 1) |x_t + c_t| / rms(answers) over the bases
+    variance: float = 1.0    # smallest variance of x_t + c_t over the bases (LN_emb's eps acts against it)
 
 
 def _centre(v: np.ndarray) -> np.ndarray:
@@ -94,7 +96,7 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
     h = float(eps) ** (1.0 / 3.0) * radius                  # central differences: error ~ eps^(2/3)
     q0 = oracle.queries
     offsets = np.zeros((T, d))
-    worst, worst_start, steps, cond = 0.0, 0.0, 0, 1.0
+    worst, worst_start, steps, cond, var = 0.0, 0.0, 0, 1.0, np.inf
     eye = np.eye(d)
     for t in range(T):
         Xs = [radius * rng.standard_normal((T, d)) / np.sqrt(d) for _ in range(bases)]
@@ -109,7 +111,8 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
         # normal equations (d x d): the stacked Jacobians are (T d_out, d) each, 0.13 GB at MiniLM with hidden=all
         Gs = [J.T @ J for J in Js]
         G = sum(Gs)
-        norms = [float(np.sqrt(max(np.linalg.eigvalsh(g)[-1], 0.0))) / max(float(np.sqrt(np.mean(y * y))), 1e-300)
+        # the rms gain: how much a random rounding of the input moves the answers, relative
+        norms = [float(np.sqrt(max(np.trace(g), 0.0) / (d - 1))) / max(float(np.sqrt(np.mean(y * y))), 1e-300)
                  for g, y in zip(Gs, base)]
         if start is None:
             c = _centre(np.linalg.lstsq(G, -sum(g @ X[t] for g, X in zip(Gs, Xs)), rcond=None)[0])
@@ -138,11 +141,9 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
         offsets[t] = best_c
         worst = max(worst, best)
         cond = max(cond, max(n * float(np.linalg.norm(X[t] + best_c)) for n, X in zip(norms, Xs)))
+        var = min(var, min(float(np.var(X[t] + best_c)) for X in Xs))
     return ScaleOffsets(offsets=offsets, residual=worst, start_residual=worst_start, steps=steps,
-                        queries=int(oracle.queries - q0), condition=cond)
-
-
-CONSTANT = 1e-5          # an output coordinate whose spread is below this fraction of the median spread is constant
+                        queries=int(oracle.queries - q0), condition=cond, variance=var)
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,7 @@ class OutputLayerNormRead:
 def read_output_layernorm(Y: np.ndarray) -> OutputLayerNormRead:
     """Stage L on answers Y (k, d), or the constant coordinates when there are any (see the class)."""
     Y = np.asarray(Y, np.float64)
-    spread = Y.std(axis=0)
-    const = np.flatnonzero(spread <= CONSTANT * np.median(spread))
+    const = constant_coordinates(Y)
     if const.size:
         return OutputLayerNormRead(ln=None, constant=const, constant_value=Y[:, const].mean(axis=0))
     return OutputLayerNormRead(ln=fit_output_layernorm(Y))
@@ -303,13 +303,25 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
         diag["embedding_residual"] = emb.residual
     so = offsets_by_scale(oracle, rng, positions=length, eps=eps, start=start)
     offsets, residual = so.offsets, so.residual
+    # the identity's own precision, amplified by the map's rms gain at the bases: the answers' rounding (all-
+    # MiniLM-L6-v2: Newton's residual 1.3e-5 and 9.9e-5 on two seeds, where 30 eps is 1.8e-6), and LN_emb's eps,
+    # which scaling by a moves by up to 1.5 eps_LN / var(x + c) (float64 d = 8: residuals 5e-12 .. 8e-11)
+    floor = max(30.0 * eps, 1.5 * BERT_EPS / so.variance, 1e-13) * so.condition
+    if residual > CHECK_FACTOR * floor:
+        raise ModelMismatch(f"the answers are not invariant to scaling a token about one point per position "
+                            f"(residual {residual:.3g} > {CHECK_FACTOR}x {floor:.3g}: 30x the answers' precision "
+                            f"{eps:.2g} or LN_emb's eps over the tokens' variance, times the map's rms gain "
+                            f"{so.condition:.3g}): no LayerNorm of inputs_embeds plus a position offset before "
+                            "position-free blocks", check="offsets (scale invariance)",
+                            figure=residual, threshold=CHECK_FACTOR * floor)
     # Newton's residual scales one token at a time; the check moves every token at once, on ``verify``
     # sequences: its precision is measured that way, on as many (all-MiniLM-L6-v2: 1.3e-5 one token at a time;
     # every token, 3 sequences: 2.1e-5; the check's figure 3.3e-4 on 32 sequences, 1.5e-3 on 256: a heavy tail)
     together, _ = scale_residual(oracle, offsets, rng, n=max(BASES, int(verify)))
     diag.update({"offsets_residual": so.residual, "offsets_start_residual": so.start_residual,
                  "offsets_newton_steps": so.steps, "offsets_queries": so.queries,
-                 "offsets_residual_all_tokens": together, "offsets_condition": so.condition})
+                 "offsets_residual_all_tokens": together, "offsets_condition": so.condition,
+                 "offsets_floor": floor})
     if progress is not None:
         progress(1)
     # the activation's class is reported, not a gate: no block is recovered, and the real all-MiniLM-L6-v2 has
@@ -319,15 +331,6 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
         ratio = float(check_smooth_activation(oracle, rng, precision=eps).ratio)
     except ModelMismatch as e:
         ratio = float(e.figure)
-    # the identity's own precision: the answers' rounding amplified by the map's relative condition at the bases
-    # (all-MiniLM-L6-v2: Newton's residual 1.3e-5 and 9.9e-5 on two seeds, where 30 eps is 1.8e-6)
-    floor = max(30.0 * eps * so.condition, 1e-12)
-    if residual > CHECK_FACTOR * floor:
-        raise ModelMismatch(f"the answers are not invariant to scaling a token about one point per position "
-                            f"(residual {residual:.3g} > {CHECK_FACTOR}x 30x the answers' precision {eps:.2g} times "
-                            f"the map's condition {so.condition:.3g}): no LayerNorm of inputs_embeds plus a position "
-                            "offset before position-free blocks", check="offsets (scale invariance)",
-                            figure=residual, threshold=CHECK_FACTOR * floor)
     diag.update({"activation_ratio": ratio, "activation": "smooth" if ratio >= SMOOTH else "not shown smooth",
                  "layers_seen": len(seen),
                  "ln_out_plane_residual": max((r.ln.plane_residual for r in lns if r.ln), default=None),
@@ -348,8 +351,8 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     detail = (f"{verify} fresh sequences of 2 to {length} tokens and their permuted, rescaled twins agree to "
               f"{fid:.3g} with the recovered offsets ({fid0:.3g} without them); threshold {limit:.3g}: "
               f"{CHECK_FACTOR}x the largest of 2 P x the offsets' one-token residual, their residual with every "
-              f"token scaled, and 30x the answers' ({kind.describe()}) precision times the map's condition "
-              f"({so.condition:.3g})")
+              f"token scaled, and the identity's floor {floor:.3g} (30x the answers' ({kind.describe()}) precision "
+              f"or LN_emb's eps over the tokens' variance, times the map's rms gain {so.condition:.3g})")
     diag["equivariance_without_offsets"] = fid0
     if fid > limit:
         raise ModelMismatch(f"the encoder's answers are not those of position-free blocks behind the recovered "

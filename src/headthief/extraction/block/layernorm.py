@@ -48,6 +48,16 @@ class OutputLayerNorm:
         return (np.asarray(Y, dtype=np.float64) - self.beta) / self.gamma
 
 
+CONSTANT = 1e-5          # an output coordinate whose spread is below this fraction of the median spread is constant
+
+
+def constant_coordinates(Y: np.ndarray) -> np.ndarray:
+    """Output coordinates that do not move over the answers Y (k, d): gamma ~ 0 there (all-MiniLM-L6-v2's last
+    LayerNorm has gamma 4.8e-33, 6.0e-33 and 1.5e-9 at coordinates 223, 127 and 319)."""
+    spread = np.asarray(Y, np.float64).std(axis=0)
+    return np.flatnonzero(spread <= CONSTANT * np.median(spread))
+
+
 def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
     """gamma and beta of the LayerNorm that produced the answers ``Y`` (k, d), k >= d + 2 in general
     position (see the module docstring). Raises :class:`NotIdentifiable` for too few or degenerate
@@ -64,6 +74,11 @@ def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
     C = Y - mu
     _, sv, Vt = np.linalg.svd(C, full_matrices=False)
     if sv[-2] <= 1e-9 * sv[0]:
+        const = constant_coordinates(Y)
+        if const.size:
+            raise NotIdentifiable(f"output coordinates {', '.join(map(str, const[:8]))} are constant over {k} answers "
+                                  "(the LayerNorm's gamma is ~0 there): the normalised vector is not seen there, so "
+                                  "the hyperplane and the ellipsoid that fix gamma and beta are lost")
         raise NotIdentifiable(f"the {k} answers span fewer than d - 1 = {d - 1} directions: they do not fix the "
                               "LayerNorm (use more varied queries)")
     a = Vt[-1]
