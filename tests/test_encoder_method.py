@@ -102,6 +102,19 @@ def test_the_last_layer_only_gives_the_offsets_and_the_last_layernorm(capsys, dt
     assert row["offsets_queries"] >= 16 * 3 * (2 * 8 + 1 + 2)               # 16 positions, 3 bases, >= 1 step
 
 
+def test_a_parts_run_is_journaled_and_replays(tmp_path, capsys):
+    """Every answer of a parts-only run (exit 2) is in the journal: the same command again asks nothing."""
+    argv = ["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=6,hidden=last", "--method",
+            "encoder", "--verify", "8", "--json", "--journal", str(tmp_path / "j.db")]
+    rows = []
+    for _ in range(2):
+        assert main(argv) == 2
+        rows.append(json.loads(capsys.readouterr().out))
+    assert rows[0]["journal_sent"] == rows[0]["queries_sent"] > 0 and rows[0]["journal_replayed"] == 0
+    assert rows[1]["journal_sent"] == 0 and rows[1]["journal_replayed"] == rows[0]["queries_sent"]
+    assert rows[1]["offsets_rel_err"] == rows[0]["offsets_rel_err"]
+
+
 def test_an_encoder_wider_than_the_dense_stage_v_gives_what_it_can(capsys):
     """d = 96 with every layer's states: LN_emb, the offsets and every output LayerNorm (exact algebra), the
     check passed, then exit 2 naming the stage that is not built."""

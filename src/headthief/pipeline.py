@@ -551,6 +551,7 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             row["error"] = str(exc)
             if oracle is not None:
                 row["queries_sent"] = oracle_stack(oracle)[-1].queries
+                _transport(row, oracle, journal)        # a partial result's journal counts too
             if _failed_fidelity(exc) is not None:
                 row["fidelity_max_rel_err"] = _failed_fidelity(exc)     # the figure that failed the check
         else:
