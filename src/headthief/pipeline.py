@@ -410,7 +410,8 @@ def _comparable(res, truth) -> bool:
     if isinstance(res, BlockExtraction):
         return isinstance(truth, BertBlock) and truth.activation == "gelu"
     from .extraction.block.encoder import EncoderExtraction
-    if isinstance(res, EncoderExtraction):
+    from .extraction.block.encoder_parts import EncoderParts
+    if isinstance(res, (EncoderExtraction, EncoderParts)):
         from .models.bert_block import Encoder
         return isinstance(truth, Encoder)
     if isinstance(res, RopeExtraction):
