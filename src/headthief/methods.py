@@ -439,15 +439,8 @@ def _run_encoder(oracle, target, args, progress, clean=None):
     if oracle.d_out == d or too_large:
         # what is possible without taking a block apart; the run ends in exit 2 with those parts in the row
         from .extraction.block.encoder_parts import extract_encoder_parts, not_recovered
-        if oracle.d_out == d and L > 0:
-            hidden = "last"
-            reason = (f"blocks 1..{L}: with the last layer's hidden states only, no block's input and output are both "
-                      "seen (block L's input is block L - 1's output), and every per-block stage here reads both; "
-                      "LN_emb's gamma and beta (only its normalised input is set). Whether the composition is "
-                      "identifiable from its end alone is not known; no method here takes it apart (docs/block.md)")
-        else:
-            hidden = "all"
-            reason = f"the blocks: {too_large} (docs/block.md)"
+        hidden = "last" if oracle.d_out == d else "all"
+        reason = None if hidden == "last" else f"the blocks: {too_large} (docs/block.md)"
         parts = extract_encoder_parts(oracle, layers=L, hidden=hidden, rng=rng, length=length, verify=kw["verify"],
                                       check=kw["check"], check_rng=kw["check_rng"], reason=reason, progress=progress)
         raise not_recovered(parts)

@@ -57,6 +57,10 @@ BASES = 3                # base sequences per position: the Jacobians' stacked n
 NEWTON = 4               # Newton steps on the scale invariance, at most (measured: 1 - 2 reach the answers' precision)
 SCALES = (2.0, 0.5)      # the scalings a of token t about the offset that every Newton step asks for
 RADIUS = 1.0             # base tokens' norm (all-MiniLM-L6-v2's offsets have norm 0.66 - 2.4)
+LAST = ("blocks 1..{L}: with the last layer's hidden states only, no block's input and output are both seen (block L's "
+        "input is block L - 1's output), and every per-block stage here reads both; LN_emb's gamma and beta (only its "
+        "normalised input is set). Whether the composition is identifiable from its end alone is not known; no method "
+        "here takes it apart (docs/block.md)")
 MODEL = ("a BERT encoder: inputs_embeds plus one offset per position, the embeddings' LayerNorm, then position-free "
          "blocks ending in a LayerNorm")
 
@@ -269,14 +273,17 @@ class EncoderParts:
 
 def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.random.Generator | int = 0,
                           length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
-                          reason: str = "", progress=None) -> EncoderParts:
+                          reason: str | None = None, progress=None) -> EncoderParts:
     """The parts (module docstring) of an encoder API answering every layer's hidden states (``hidden="all"``,
     ``(layers + 1) d`` numbers per position) or the last layer's (``"last"``, d), over positions
-    ``0 .. length - 1``. Returns the parts with their model check; the caller says what is not recovered
-    (``reason``) and raises. :class:`ModelMismatch` when the answers are not of this class."""
+    ``0 .. length - 1``. Returns the parts with their model check and what is not recovered (``reason``;
+    default for ``hidden="last"``: the blocks, and why); :func:`not_recovered` makes the exception that ends
+    such a run. :class:`ModelMismatch` when the answers are not of this class."""
     from ..precision import ModelCheck
     rng = np.random.default_rng(rng)
     d, L = oracle.d, int(layers)
+    if reason is None:
+        reason = LAST.format(L=L) if hidden == "last" else "the blocks"
     if hidden not in ("all", "last"):
         raise ValueError(f"hidden must be 'all' or 'last', got {hidden!r}")
     want = (L + 1) * d if hidden == "all" else d
