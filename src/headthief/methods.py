@@ -421,7 +421,8 @@ METHODS["block"] = Method(
 
 
 def _run_encoder(oracle, target, args, progress, clean=None):
-    from .extraction.block.encoder import dense_stage_v, extract_encoder
+    from .extraction.block.encoder import extract_encoder
+    from .extraction.block.value_sum_image import dense_stage_v
     info = (target.info or {}) if target is not None else {}
     heads, ffn = _block_sizes(target, args)
     heads = heads or info.get("heads")

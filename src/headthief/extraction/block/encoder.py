@@ -57,7 +57,7 @@ from .lbfgs import SLOW_GAIN
 from .on_image import GOOD_FACTOR, HEADS, answer_precision, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
 from .value_sum import BASES, COARSE, RANK_MARGIN, centre, stencil_derivative
-from .value_sum_image import MAX_UNKNOWNS, ImageValueSum, retrying, solve_bases
+from .value_sum_image import ImageValueSum, dense_stage_v, retrying, solve_bases
 from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
@@ -293,15 +293,6 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
     return out
 
 
-def dense_stage_v(d: int) -> str:
-    """Why stage V's dense joint fit is not built for width d (a sentence), or "" where it is (d <= 88)."""
-    unknowns = (d - 1) ** 2 + (d - 1) + BASES * (d - 2)
-    if unknowns <= MAX_UNKNOWNS:
-        return ""
-    return (f"stage V on the image fits {unknowns} unknowns per block jointly with a dense solver (at most "
-            f"{MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
-
-
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
                     positions: int | None = None, progress=None) -> EncoderExtraction:
@@ -456,4 +447,4 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                                                      threshold=limit, verify_queries=fid.queries, detail=detail))
 
 
-__all__ = ["EncoderExtraction", "dense_stage_v", "extract_encoder"]
+__all__ = ["EncoderExtraction", "extract_encoder"]

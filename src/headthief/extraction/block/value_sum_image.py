@@ -192,6 +192,15 @@ def retrying(attempt, tries: int = TRIES, *, settled_mismatch: bool = False):
     raise errors[-1]
 
 
+def dense_stage_v(d: int, bases: int = BASES) -> str:
+    """Why the dense joint fit is not built for width d (a sentence), or "" where it is (d <= 88 at 3 bases)."""
+    unknowns = (d - 1) ** 2 + (d - 1) + bases * (d - 2)
+    if unknowns <= MAX_UNKNOWNS:
+        return ""
+    return (f"stage V on the image fits {unknowns} unknowns per block jointly with a dense solver (at most "
+            f"{MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
+
+
 def value_sum_on_image(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, *, precision: float,
                        bases: int = BASES, max_iter: int = MAX_ITER) -> ImageValueSum:
     """Stage V with every query on ``image`` (see the module docstring). ``precision``: the answers'
@@ -203,10 +212,9 @@ def value_sum_on_image(oracle: Oracle, image: LayerNormImage, rng: np.random.Gen
         raise ValueError(f"the image has d = {image.d}, the oracle d = {d}")
     if bases < 2:
         raise ValueError(f"need at least 2 base tokens, got {bases}")
-    unknowns = (d - 1) ** 2 + (d - 1) + bases * (d - 2)
-    if unknowns > MAX_UNKNOWNS:
-        raise SpecError(f"stage V on the image fits {unknowns} unknowns jointly with a dense solver (at most "
-                        f"{MAX_UNKNOWNS}, d <= 88): d = {d} is not built")
+    too_large = dense_stage_v(d, bases)
+    if too_large:
+        raise SpecError(too_large)
     eps = max(float(precision), 1e-16)
     h = eps ** 0.2                                     # the old stage's step (|x| ~ sqrt(d), unit directions)
     expected = eps ** 0.8 * np.sqrt(d)
