@@ -208,3 +208,32 @@ def test_ffn_check_is_dispatched_without_an_import_circle():
     ids, spent, kind = check.preflight(ModelOracle(random_ffn(8, 4, 0)), model=check.FFN)
     assert [i.name for i in ids] == ["zero token", "homogeneity", "odd part linear"] and spent == 11
     assert ffn_check.ffn_preflight is check.CLASS_CHECKS[check.FFN][0]
+
+
+def test_lowrank_check_allows_for_the_error_it_estimated_and_no_more():
+    """lowrank states W's error from its own oversampled core (``W_rel_err_estimate``); the check adds 10x
+    that error's effect through the recovered model to the noise's threshold. A W moved 30x further than
+    the estimate fails."""
+    import dataclasses
+    from headthief.extraction.check import verdict
+    from headthief.extraction.precision import PROPAGATION_MARGIN, noise_sequences, propagated_fidelity
+    from headthief.extraction.result import rel_err
+    head = random_head(64, rank=4, rng=1005, dtype=np.float32)
+    oracle = ModelOracle(head)
+    res = extract_lowrank(oracle)
+    est = res.diagnostics["W_rel_err_estimate"]
+    assert res.check.verdict == "pass" and "as the method estimated it" in res.check.detail
+    assert rel_err(res.W, head.dense_W()) < 3 * est            # it estimates the error (measured 0.12 - 1.1x)
+    # the threshold is exactly the noise's plus 10x the estimate's effect on the check's own sequences
+    noise_only = verdict(dataclasses.replace(res, diagnostics={}), oracle, model=SINGLE).threshold
+    g = np.random.default_rng(10_000)                          # verdict's default seed, drawn in its order
+    batch, _ = noise_sequences(64, 256, g)
+    y = np.asarray(oracle.query(batch))
+    rms = float(np.sqrt(np.mean(y ** 2)))
+    moved = propagated_fidelity(res, batch, np.asarray(res.predict(batch)), rms, g)
+    assert moved > 0 and res.check.threshold == pytest.approx(noise_only + PROPAGATION_MARGIN * moved, rel=1e-12)
+    assert propagated_fidelity(dataclasses.replace(res, diagnostics={}), batch, y, rms, 1) == 0.0
+    off = dataclasses.replace(res, W=res.W + 30 * est * np.linalg.norm(res.W) * np.eye(64) / 8.0)
+    with pytest.raises(ModelMismatch, match="as the method estimated it") as e:
+        verdict(off, oracle, model=SINGLE)
+    assert e.value.model_check.figure > e.value.model_check.threshold

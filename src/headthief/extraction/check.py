@@ -48,7 +48,8 @@ from ..oracles.base import Oracle, oracle_stack
 from .precision import (CHECK_SEED, CLASS_CHECKS, FFN, INCONCLUSIVE_THRESHOLD, MULTI, NOT_AFFINE, SINGLE,  # noqa: F401
                         TRANSFORMER, AnswerKind, Identity, ModelCheck, answer_kind, answer_noise,
                         fidelity_threshold, fidelity_verdict, inconclusive_detail, method_resolution,
-                        NOISE_POINTS, noise_sequences, register_class_check, threshold_source)
+                        NOISE_POINTS, PROPAGATION_MARGIN, noise_sequences, propagated_fidelity, register_class_check,
+                        threshold_source)
 
 # ---------------------------------------------------------------------------------------------------
 # before: identities
@@ -262,7 +263,8 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
     if n <= 0:
         return ModelCheck("unchecked", model, kind0.describe() if kind0 else "", ids, cq,
                           detail="no fresh sequences asked (verify n = 0)")
-    batch, k_noise = noise_sequences(res.d, n, np.random.default_rng(rng), input_norm=oracle.input_norm)
+    g = np.random.default_rng(rng)
+    batch, k_noise = noise_sequences(res.d, n, g, input_norm=oracle.input_norm)
     before = oracle.queries
     try:
         y = oracle.query(batch)
@@ -296,6 +298,11 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
         noise = answer_noise(y[len(y) - k_noise * NOISE_POINTS:]) if k_noise else None
         threshold = fidelity_threshold(kind, res.d, rms, resolution=resolution, noise=noise)
         src = threshold_source(kind, noise, rms)
+        moved = propagated_fidelity(res, batch, y_hat, rms, g)
+        if moved > 0:       # the method's own estimate of its error in W, through the recovered model
+            threshold += PROPAGATION_MARGIN * moved
+            src += (f" and W's error as the method estimated it ({res.diagnostics['W_rel_err_estimate']:.2g}, "
+                    f"fidelity {moved:.2g} through the model, x{PROPAGATION_MARGIN:g})")
         what = f"fidelity {figure:.3g}"
         if fidelity_verdict(figure, threshold) == "inconclusive":
             return ModelCheck("inconclusive", model, kind.describe(), ids, cq, figure, threshold, vq,

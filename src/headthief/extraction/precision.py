@@ -24,6 +24,7 @@ sequences (the fidelity is measured on them too), so the check costs no extra qu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -270,6 +271,40 @@ def fidelity_threshold(kind: AnswerKind, d: int, rms: float, *, resolution: floa
         thr += (2.0 + 1e4 * math.sqrt(d)) * kind.tau / rms
     thr += 10.0 * d * resolution
     return float(thr)
+
+
+PROPAGATION_DRAWS = 4
+"""Random parameter errors :func:`propagated_fidelity` tries (it keeps the largest effect)."""
+
+PROPAGATION_MARGIN = 10.0
+"""How far past the effect of its own estimated parameter error a run may land and still pass: one order of
+magnitude (a result an order of magnitude worse than the method's own precision is never a pass)."""
+
+
+def propagated_fidelity(res, batch, y_hat: np.ndarray, rms: float, rng: np.random.Generator | int) -> float:
+    """The fidelity that the method's own estimate of its error in W explains, on ``batch``.
+
+    A method that measured W redundantly states its relative error ``e`` as
+    ``diagnostics["W_rel_err_estimate"]`` (lowrank: the sketch core's noise over W's weakest singular
+    value). The recovered model is evaluated with ``W + E`` for :data:`PROPAGATION_DRAWS` Gaussian ``E`` of
+    Frobenius norm ``e ||W||_F`` (on Gaussian sequences a score error depends on ``E`` through its
+    Frobenius norm, not its direction), and the largest ``max |f_{W+E} - f_W| / rms`` is returned. No
+    queries are asked. 0 when the method states no estimate.
+    """
+    e = res.diagnostics.get("W_rel_err_estimate")
+    W = getattr(res, "W", None)
+    if not e or W is None or not np.isfinite(e):
+        return 0.0
+    g = np.random.default_rng(rng)
+    W = np.asarray(W, dtype=np.float64)
+    scale = float(e) * float(np.linalg.norm(W))
+    worst = 0.0
+    for _ in range(PROPAGATION_DRAWS):
+        E = g.standard_normal(W.shape)
+        E *= scale / max(float(np.linalg.norm(E)), 1e-300)
+        moved = np.asarray(dataclasses.replace(res, W=W + E).predict(batch), dtype=np.float64)
+        worst = max(worst, float(np.max(np.abs(moved - y_hat))) / max(rms, 1e-300))
+    return worst
 
 
 def threshold_source(kind: AnswerKind, noise: float | None, rms: float) -> str:

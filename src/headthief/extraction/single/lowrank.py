@@ -28,7 +28,11 @@ rank d after ``d^2 + d`` queries and ``W = Y Omega^{-1}``.
 Precision: an oracle whose answers are all float32 numbers is treated as float32 (the answers
 decide, never the target's parameters): rank tolerance 2.4e-4, k = 10 oversampling and a target
 logit of 3 for the probe scales (see :data:`FLOAT32_LOGIT`). A noisy float64 oracle needs ``rank``
-(or ``rank_tol``) and ``oversample`` from the caller.
+(or ``rank_tol``) and ``oversample`` from the caller. With oversampling the core's singular values past
+the rank are the answers' noise: the first of them over the last one kept, W's relative error along its
+weakest direction, is reported as ``diagnostics["W_rel_err_estimate"]``, and the model check allows for it
+(:func:`headthief.extraction.precision.propagated_fidelity`). On the 72 MiniLM heads (float32, seed 0) the
+true ``||W_hat - W||_F / ||W||_F`` was 0.12 - 0.51 times it.
 
 Cost: O(d r^2) arithmetic besides forming the dense output (O(d^2 r)); memory O(d r) plus one chunk
 of queries at a time (and the dense d x d output). Queries are built straight into each chunk
@@ -377,6 +381,8 @@ def extract_lowrank(
         diag_core["core_cond"] = float(sc[0] / sc[rk - 1])
         if rk < sc.shape[0]:
             diag_core["core_gap"] = float(sc[rk] / sc[rk - 1])
+            if k > 0:         # the discarded core is the answers' noise: W's error along its weakest direction
+                diag_core["W_rel_err_estimate"] = float(sc[rk] / sc[rk - 1])
         diag_core["select_cond"] = float(np.linalg.cond(Om[S]))
         left = (Y @ Vtc[:rk].T) / sc[:rk]
         right = Uc[:, :rk].T @ Z
