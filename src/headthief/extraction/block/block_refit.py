@@ -36,17 +36,25 @@ def params_of(block) -> dict:
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads."""
     from scipy.special import erf
-    H, dh, _ = p["Q"].shape
+    H, dh, d = p["Q"].shape
+    N, T = X.shape[:2]
     sq = 1.0 / np.sqrt(dh)
-    q = np.einsum("ntd,hkd->nhtk", X, p["Q"]) + p["bq"][None, :, None, :]
-    k = np.einsum("ntd,hkd->nhtk", X, p["K"])
-    v = np.einsum("ntd,hkd->nhtk", X, p["V"])
-    S = np.einsum("nhtk,nhsk->nhts", q, k) * sq
+    Xf = X.reshape(N * T, d)
+
+    def heads(M):                      # (N*T, d) @ (H*dh, d)^T -> (N, H, T, dh): one BLAS product
+        return (Xf @ M.reshape(H * dh, d).T).reshape(N, T, H, dh).transpose(0, 2, 1, 3)
+
+    def to_params(G):                  # (N, H, T, dh) against X -> (H, dh, d): the transpose of heads()
+        return (G.transpose(1, 3, 0, 2).reshape(H * dh, N * T) @ Xf).reshape(H, dh, d)
+
+    q = heads(p["Q"]) + p["bq"][None, :, None, :]
+    k = heads(p["K"])
+    v = heads(p["V"])
+    S = (q @ k.swapaxes(-1, -2)) * sq
     S = S - S.max(axis=-1, keepdims=True)
     A = np.exp(S)
     A /= A.sum(axis=-1, keepdims=True)
-    z = np.einsum("nhts,nhsk->nhtk", A, v)                                   # (N, H, T, dh)
-    N, T = X.shape[:2]
+    z = A @ v                                                                # (N, H, T, dh)
     zc = z.transpose(0, 2, 1, 3).reshape(N, T, H * dh)
     pre = X + zc @ p["Wo"].T + p["bo"]
     n1, r1 = normalize(pre)
@@ -57,29 +65,30 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"])
     res = n2 * p["g2"] + p["be2"] - Y
     L = 0.5 * float(np.sum(res * res))
-    grads["g2"] += np.einsum("ntd,ntd->d", res, n2)
+    flat = lambda a: a.reshape(N * T, a.shape[-1])                           # noqa: E731
+    grads["g2"] += np.sum(res * n2, axis=(0, 1))
     grads["be2"] += res.sum(axis=(0, 1))
     du = normalize_back(res * p["g2"], n2, r2)
     ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
-    grads["W2"] += np.einsum("ntd,ntf->df", du, g)
+    grads["W2"] += flat(du).T @ flat(g)
     grads["b2"] += du.sum(axis=(0, 1))
-    grads["W1"] += np.einsum("ntf,ntd->fd", ds, zz)
+    grads["W1"] += flat(ds).T @ flat(zz)
     grads["b1"] += ds.sum(axis=(0, 1))
     dzz = du + ds @ p["W1"]
-    grads["g1"] += np.einsum("ntd,ntd->d", dzz, n1)
+    grads["g1"] += np.sum(dzz * n1, axis=(0, 1))
     dpre = normalize_back(dzz * p["g1"], n1, r1)
     grads["bo"] += dpre.sum(axis=(0, 1))
-    grads["Wo"] += np.einsum("ntd,ntj->dj", dpre, zc)
+    grads["Wo"] += flat(dpre).T @ flat(zc)
     dz = (dpre @ p["Wo"]).reshape(N, T, H, dh).transpose(0, 2, 1, 3)         # (N, H, T, dh)
-    dA = np.einsum("nhtk,nhsk->nhts", dz, v)
-    dv = np.einsum("nhts,nhtk->nhsk", A, dz)
-    dS = A * (dA - np.einsum("nhts,nhts->nht", dA, A)[..., None]) * sq
-    dq = np.einsum("nhts,nhsk->nhtk", dS, k)
-    dk = np.einsum("nhts,nhtk->nhsk", dS, q)
-    grads["Q"] += np.einsum("nhtk,ntd->hkd", dq, X)
+    dA = dz @ v.swapaxes(-1, -2)
+    dv = A.swapaxes(-1, -2) @ dz
+    dS = A * (dA - np.sum(dA * A, axis=-1)[..., None]) * sq
+    dq = dS @ k
+    dk = dS.swapaxes(-1, -2) @ q
+    grads["Q"] += to_params(dq)
     grads["bq"] += dq.sum(axis=(0, 2))
-    grads["K"] += np.einsum("nhtk,ntd->hkd", dk, X)
-    grads["V"] += np.einsum("nhtk,ntd->hkd", dv, X)
+    grads["K"] += to_params(dk)
+    grads["V"] += to_params(dv)
     return L
 
 

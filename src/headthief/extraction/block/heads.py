@@ -201,9 +201,9 @@ def _group(values: np.ndarray, H: int, size: int) -> list[np.ndarray] | None:
 
 
 def _outer(F, Z) -> np.ndarray:
-    """Least squares for P in ``F_k = P Z_k`` over every read."""
-    G = sum(Zk @ Zk.T for Zk in Z)
-    R = sum(Fk @ Zk.T for Fk, Zk in zip(F, Z))
+    """Least squares for P in ``F_k = P Z_k`` over every read (F (reads, a, b), Z (reads, c, b))."""
+    G = np.einsum("kib,kjb->ij", Z, Z, optimize=True)
+    R = np.einsum("kab,kjb->aj", F, Z, optimize=True)
     return np.linalg.solve(G, R.T).T
 
 
@@ -221,7 +221,7 @@ def _inner(F, dirs, P, V) -> np.ndarray:
             G[h, :, g, :] = blk
             G[g, :, h, :] = blk.T
     for h in range(H):
-        Xh = sum(P[h].T @ Fk @ np.outer(V[k, h], e) for k, (Fk, e) in enumerate(zip(F, dirs)))   # (r, d)
+        Xh = (np.einsum("kab,kb->ka", F, V[:, h]) @ P[h]).T @ dirs          # (r, d): sum_k P_h^T F_k v_hk e_k^T
         rhs[h] = Xh.reshape(-1, order="F")
     sol = np.linalg.solve(G.reshape(H * d * r, H * d * r), rhs.reshape(-1)).reshape(H, d * r)
     return np.stack([sol[h].reshape(r, d, order="F").T for h in range(H)])        # Q_h: (d, r)
@@ -240,29 +240,32 @@ def _polish(F, dirs, Ot, What, rank: int, *, max_iter: int = 2000, tol: float = 
 
     P, Q = map(np.stack, zip(*(split(A) for A in Ot)))
     R, K = map(np.stack, zip(*(split(A) for A in What)))
-    Ft = [Fk.T for Fk in F]
+    F = np.stack(F)                                                    # (reads, d, d + 1)
+    Ft = F.transpose(0, 2, 1)
+    nk = len(F)
 
     def coeff(M):
         return np.einsum("hdr,kd->khr", M, dirs)                      # (reads, H, r): M_h^T e_k
 
+    def apply(M, c):                                                  # (reads, H, rows of M): M_h c_kh
+        return np.einsum("hdr,khr->khd", M, c)
+
     def residual():
-        a, b = coeff(Q), coeff(K)
-        num = sum(np.linalg.norm(Fk - sum(np.outer(P[h] @ a[k, h], R[h] @ b[k, h]) for h in range(H))) ** 2
-                  for k, Fk in enumerate(F))
-        return float(np.sqrt(num / sum(np.linalg.norm(Fk) ** 2 for Fk in F)))
+        pred = np.einsum("khd,khe->kde", apply(P, coeff(Q)), apply(R, coeff(K)), optimize=True)
+        return float(np.sqrt(np.sum((F - pred) ** 2) / np.sum(F * F)))
 
     r0 = best = residual()
     it, stale = 0, 0
     for it in range(1, max_iter + 1):
         a, b = coeff(Q), coeff(K)
-        Z = [np.concatenate([np.outer(a[k, h], R[h] @ b[k, h]) for h in range(H)]) for k in range(len(F))]
+        V = apply(R, b)                                               # (reads, H, d + 1): R_h b_kh
+        Z = np.einsum("khr,khe->khre", a, V).reshape(nk, H * rank, -1)
         P = _outer(F, Z).reshape(-1, H, rank).transpose(1, 0, 2)
-        V = np.stack([[R[h] @ b[k, h] for h in range(H)] for k in range(len(F))])
         Q = _inner(F, dirs, P, V)
         a = coeff(Q)
-        Z = [np.concatenate([np.outer(b[k, h], P[h] @ a[k, h]) for h in range(H)]) for k in range(len(F))]
+        U = apply(P, a)                                               # (reads, H, d): P_h a_kh
+        Z = np.einsum("khr,khe->khre", b, U).reshape(nk, H * rank, -1)
         R = _outer(Ft, Z).reshape(-1, H, rank).transpose(1, 0, 2)
-        U = np.stack([[P[h] @ a[k, h] for h in range(H)] for k in range(len(F))])
         K = _inner(Ft, dirs, R, U)
         res = residual()
         if res < best * (1 - tol):
