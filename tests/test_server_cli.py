@@ -230,13 +230,18 @@ def test_a_large_json_body_costs_about_its_size_not_ten_times(tmp_path):
     db = tmp_path / "s.sqlite"
     k = add_key(db, "big")
     X = np.random.default_rng(0).normal(size=(4097, 64, 8))       # one more sequence than max_batch, 48 MB
-    body = json.dumps({"sequences": X.tolist()}).encode()
-    assert len(body) > 40e6
+    rows = [json.dumps(x) for x in X.tolist()]                     # each sequence's JSON, written once
+
+    def as_json(n):
+        return ('{"sequences": [' + ", ".join(rows[:n]) + "]}").encode()
+
+    body = as_json(len(rows))
+    assert len(body) > 40e6 and as_json(2) == json.dumps({"sequences": X[:2].tolist()}).encode()
     with Server("random:d=8,seed=1", db) as s, httpx.Client(base_url=s.url, timeout=120) as c:
         before = _rss(s.proc.pid)
         r = c.post("/v1/query", content=body, headers={"Authorization": f"Bearer {k}", "Content-Type": "application/json"})
         assert r.status_code == 422 and r.json()["error"] == "batch_too_large", r.text
-        body2 = json.dumps({"sequences": X[:4000].tolist()}).encode()
+        body2 = as_json(4000)
         r = c.post("/v1/query", content=body2, headers={"Authorization": f"Bearer {k}", "Content-Type": "application/json"})
         assert r.status_code == 413 and "the most for JSON is 8388608" in r.json()["detail"]
         after = _rss(s.proc.pid)

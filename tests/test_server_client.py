@@ -44,11 +44,18 @@ def same_npz(a, b):
         return set(x.files) == set(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
 
 
+@pytest.fixture(scope="module")
+def local64(d64):
+    """The same extraction in process, once for every framing."""
+    _, local = extract("random:d=64,seed=1", d64[1] / "local.npz", "--method", "exact")
+    return local
+
+
 @pytest.mark.parametrize("framing", ["auto", "npy", "sparse", "json"])
-def test_exact_through_http_is_bit_identical_and_charged_exactly(d64, framing):
+def test_exact_through_http_is_bit_identical_and_charged_exactly(d64, local64, framing):
     s, work = d64
     key = add_key(s.db, f"acceptance-{framing}")
-    _, local = extract("random:d=64,seed=1", work / "local.npz", "--method", "exact")
+    local = local64
     _, remote = extract(f"{s.url}?framing={framing}", work / f"http-{framing}.npz", "--method", "exact", "--api-key", key)
     assert same_npz(work / "local.npz", work / f"http-{framing}.npz")
     assert remote["queries"] == local["queries"] == 4160

@@ -472,22 +472,23 @@ def _read_cross(reader: _Reader, basis: _Basis, B, base, mu, *, tight: bool) -> 
     Y = np.empty((m, d))
     yg = np.empty(m)
     yh = np.empty(m)
-    for j in range(m):
-        h, g, k = hh[j], gg[j], kk[j]
-        r = int(min(ell[h, k], ell[g, k]))
-        if r < 2:
-            raise NotIdentifiable("isolating two heads needs at least 2 directions of V^perp on which both "
-                                  "are known")
-        ph, pg = mu[h, k, H:H + r], mu[g, k, H:H + r]
-        nh = np.linalg.norm(ph)
-        eta = pg - (pg @ ph) / nh ** 2 * ph if nh > 0 else pg.copy()
-        ne = np.linalg.norm(eta)
-        if ne == 0:
+    rr = np.minimum(ell[hh, kk], ell[gg, kk]).astype(int)
+    if np.any(rr < 2):
+        raise NotIdentifiable("isolating two heads needs at least 2 directions of V^perp on which both "
+                              "are known")
+    for r in np.unique(rr):                    # every probe with r known directions at once
+        j = np.flatnonzero(rr == r)
+        ph, pg = mu[hh[j], kk[j], H:H + r], mu[gg[j], kk[j], H:H + r]
+        nh2 = np.einsum("ij,ij->i", ph, ph)
+        along = np.where(nh2 > 0, np.einsum("ij,ij->i", pg, ph) / np.where(nh2 > 0, nh2, 1.0), 0.0)
+        eta = pg - along[:, None] * ph
+        ne = np.linalg.norm(eta, axis=1)
+        if np.any(ne == 0):
             raise NotIdentifiable("two heads have parallel score vectors on V^perp; cannot switch one off")
-        eta /= ne
-        Y[j] = -(basis.Q[:, :r] @ eta)
-        yg[j] = -(eta @ pg)
-        yh[j] = -(eta @ ph)
+        eta /= ne[:, None]
+        Y[j] = -(eta @ basis.Q[:, :r].T)
+        yg[j] = -np.einsum("ij,ij->i", eta, pg)
+        yh[j] = -np.einsum("ij,ij->i", eta, ph)
     U = basis.alpha[hh, None] * basis.Wd[:, hh].T + basis.alpha[gg, None] * basis.Wd[:, gg].T
     mg_g = mu[gg, kk, gg] * basis.alpha[gg]
     if not tight:
@@ -514,33 +515,31 @@ def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, e
     X0 = mu[hh, kk, gg] * ag                   # w^_g^T m_h (first reading)
     gg_self = mu[gg, kk, gg] * ag              # w^_g^T m_g
     gh = mu[gg, kk, hh] * ah                   # w^_h^T m_g (first reading)
-    m = hh.size
-    Ph = [None] * m
-    Pg = [None] * m
-    for j in range(m):
-        r = int(min(ell[hh[j], kk[j]], ell[gg[j], kk[j]]))
-        Ph[j] = mu[hh[j], kk[j], H:H + r]
-        Pg[j] = mu[gg[j], kk[j], H:H + r]
+    rr = np.minimum(ell[hh, kk], ell[gg, kk]).astype(int)
 
     def extra(k, s):
+        k, s = np.asarray(k), np.asarray(s, dtype=np.float64)
         D = np.empty((k.size, d))
         offset = np.empty(k.size)
         gain = np.empty(k.size)
-        for q, j in enumerate(k):
-            P = np.vstack([Pg[j], Ph[j]])                       # (2, r): p^T m_g, p^T m_h
-            tau = s[q] * (hh_self[j] + X0[j])                   # head h's logit: as the first probe
-            Lg = L + np.log(max(1.0, 64.0 * abs(s[q] * gh[j]) + 1.0))
-            r0 = np.array([-Lg - s[q] * gh[j], tau - s[q] * hh_self[j]])
-            r1 = np.array([gg_self[j], X0[j]])
-            G = np.linalg.pinv(P @ P.T)
-            den = r1 @ G @ r1
-            A = (r1 @ G @ r0) / den if den > 0 else 0.0
-            if abs(A) < s[q]:                                   # keep the reading sensitive
-                A = s[q] * (1.0 if A >= 0 else -1.0)
-            pc = np.linalg.lstsq(P, r0 - A * r1, rcond=None)[0]
-            p = basis.Q[:, :pc.size] @ pc
-            D[q] = A * ag[j] * basis.Wd[:, gg[j]] + p
-            offset[q] = s[q] * hh_self[j] + pc @ Ph[j]
+        for r in np.unique(rr[k]):                              # every probe with r known directions at once
+            q = np.flatnonzero(rr[k] == r)
+            j, sq = k[q], s[q]
+            Ph, Pg = mu[hh[j], kk[j], H:H + r], mu[gg[j], kk[j], H:H + r]
+            P = np.stack([Pg, Ph], axis=1)                      # (n, 2, r): p^T m_g, p^T m_h
+            tau = sq * (hh_self[j] + X0[j])                     # head h's logit: as the first probe
+            Lg = L + np.log(np.maximum(1.0, 64.0 * np.abs(sq * gh[j]) + 1.0))
+            r0 = np.stack([-Lg - sq * gh[j], tau - sq * hh_self[j]], axis=1)
+            r1 = np.stack([gg_self[j], X0[j]], axis=1)
+            G = np.linalg.pinv(P @ P.transpose(0, 2, 1))
+            den = np.einsum("ni,nij,nj->n", r1, G, r1)
+            A = np.where(den > 0, np.einsum("ni,nij,nj->n", r1, G, r0) / np.where(den > 0, den, 1.0), 0.0)
+            A = np.where(np.abs(A) < sq, np.where(A >= 0, sq, -sq), A)      # keep the reading sensitive
+            # min-norm least squares (lstsq's cut-off: eps times the larger side)
+            pc = (np.linalg.pinv(P, rtol=np.finfo(float).eps * max(2, int(r)))
+                  @ (r0 - A[:, None] * r1)[..., None])[..., 0]
+            D[q] = (A * ag[j])[:, None] * basis.Wd[:, gg[j]].T + pc @ basis.Q[:, :r].T
+            offset[q] = sq * hh_self[j] + np.einsum("ni,ni->n", pc, Ph)
             gain[q] = A
         return D, offset, gain
 
