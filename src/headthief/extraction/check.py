@@ -25,7 +25,9 @@ Every extraction goes through :func:`checked`, which wraps the method in two che
 
 2. **After** (:func:`verdict`): the recovered model is compared with the target on fresh random
    sequences (the fidelity, ``verify_queries``); a fidelity worse than the answers' precision explains
-   raises :class:`ModelMismatch` with the figure and the threshold (:func:`fidelity_threshold`).
+   raises :class:`ModelMismatch` with the figure and the threshold (:func:`fidelity_threshold`, plus 10x
+   the effect of the method's own estimate of its error in W where it states one: lowrank's oversampled
+   core, :func:`~headthief.extraction.precision.propagated_fidelity`).
    Sign-only answers: the share of fresh sequences whose bit the recovered model gets wrong although
    its output is clear of zero by more than its own resolution.
 
