@@ -39,7 +39,8 @@ def one(spec: str, seed: int, verify: int) -> dict:
             "constant_err": r.get("ln_out_constant_err"), "res_one": r.get("offsets_residual"),
             "res_all": r.get("offsets_residual_all_tokens"), "check": mc.get("figure"),
             "threshold": mc.get("threshold"), "verdict": mc.get("verdict"),
-            "without": r.get("equivariance_without_offsets"), "activation": r.get("activation_ratio"), "in_sample": r.get("equivariance_in_sample"), "cond": r.get("offsets_condition"), "floor": r.get("offsets_floor"),
+            "without": r.get("equivariance_without_offsets"), "activation": r.get("activation_ratio"), "in_sample": r.get("equivariance_in_sample"),
+            "median": r.get("equivariance_median"), "in_median": r.get("equivariance_in_sample_median"), "cond": r.get("offsets_condition"), "floor": r.get("offsets_floor"),
             "queries": r.get("queries_sent"), "s": round(time.perf_counter() - t0, 1),
             **({"error": r.get("error", "")[:160]} if rep.exit_code not in (0, 2) else {})}
 

@@ -26,8 +26,10 @@ LayerNorm. Three parts follow from that alone, at any d:
 The model check (:func:`equivariance`): with the offsets known, ``x_t = r_t u_t - c_t`` puts the unit vector
 ``u_t`` (centred) into LN_emb at position t whatever the scale ``r_t``; position-free blocks then answer a
 permuted sequence of u's with the permuted answers. Fresh sequences, each asked twice (random scales, a
-random permutation), must agree within 100x the same figure on as many sequences of the method's own draw
-(or the offsets' residuals, or the identity's floor, where larger). The same figure without the offsets (``c = 0``) is reported beside it: how much the
+random permutation), must agree within 100x the same figure on as many twins of the method's own draw that
+are rescaled but keep every token's position (or the offsets' residuals, or the identity's floor, where
+larger), and the median sequence within 10x that reference's median (or the floor): a reference that keeps
+positions does not grow with a position effect inside the blocks, which the permuted twins see. The same figure without the offsets (``c = 0``) is reported beside it: how much the
 offsets matter at that input scale.
 
 What is not done, and why: with ``hidden=last`` block k's inputs and outputs (k < L - 1) are never seen, and
@@ -62,6 +64,7 @@ SCALES = (2.0, 0.5, 1.5, 1 / 1.5, 3.0, 1 / 3.0, 1.25, 0.8)   # the scalings a of
                          # that every Newton step asks for: each is one query a base, and the offsets are
                          # limited by the answers' rounding in them (all-MiniLM-L6-v2 seed 22, hidden=last, 2
                          # bases: 6.6e-6 with the first two, 3.3e-6 with all eight)
+MEDIAN_FACTOR = 10.0     # the model check's allowance on the median sequence (see extract_encoder_parts)
 RADIUS = 1.0             # base tokens' norm (all-MiniLM-L6-v2's offsets have norm 0.66 - 2.4)
 LAST = ("blocks 1..{L}: with the last layer's hidden states only, no block's input and output are both seen (block L's "
         "input is block L - 1's output), and every per-block stage here reads both; LN_emb's gamma and beta (only its "
@@ -201,27 +204,32 @@ def _unit_tokens(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
 
 
 def equivariance(oracle: Oracle, offsets: np.ndarray, rng: np.random.Generator, n: int, *,
-                 radius: float = RADIUS, baseline: bool = True) -> tuple[float, float, int]:
-    """The model check's figure on ``n`` fresh sequences of 2 to P tokens (module docstring): the largest
+                 radius: float = RADIUS, baseline: bool = True, permute: bool = True) -> tuple[float, float, int, float]:
+    """The model check's figures on ``n`` fresh sequences of 2 to P tokens (module docstring): the largest
     disagreement between a sequence's answers and its permuted, rescaled twin's, over the answers' rms; the
-    same with zero offsets (``baseline``; else 0.0); the queries (4 n, or 2 n)."""
+    same with zero offsets (``baseline``; else 0.0); the queries (4 n, or 2 n); and the median disagreement
+    with the offsets (a typical sequence's, where the largest follows the heavy tail). ``permute=False``: the
+    twin is only rescaled (every token keeps its position), the same figures without the identity under test:
+    what the answers' rounding and the offsets' error alone leave on such sequences."""
     P, d = offsets.shape
     q0 = oracle.queries
-    worst, worst0 = 0.0, 0.0
+    worst0 = 0.0
+    each = []
     for _ in range(int(n)):
         T = int(rng.integers(2, P + 1)) if P >= 2 else 1
         U = _unit_tokens(rng, T, d)
-        perm = rng.permutation(T)
+        perm = rng.permutation(T) if permute else np.arange(T)
         r1, r2 = radius * rng.uniform(0.5, 2.0, (2, T, 1))
         for c, which in ((offsets[:T], 0), (np.zeros((T, d)), 1))[:2 if baseline else 1]:
             A = np.asarray(oracle.query((r1 * U - c)[None]), np.float64)[0]
             B = np.asarray(oracle.query((r2 * U[perm] - c)[None]), np.float64)[0]
             e = _rel(B, A[perm])
             if which == 0:
-                worst = max(worst, e)
+                each.append(e)
             else:
                 worst0 = max(worst0, e)
-    return worst, worst0, int(oracle.queries - q0)
+    worst = max(each, default=0.0)
+    return worst, worst0, int(oracle.queries - q0), float(np.median(each)) if each else 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -334,13 +342,17 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     # sequences: its precision is measured that way, on as many (all-MiniLM-L6-v2: 1.3e-5 one token at a time;
     # every token, 3 sequences: 2.1e-5; the check's figure 3.3e-4 on 32 sequences, 1.5e-3 on 256: a heavy tail)
     scaled, _ = scale_residual(oracle, offsets, rng, n=max(BASES, int(verify)))
-    # and the check's own figure on as many sequences of the method's draw: its tail is heavier than the
-    # scaling's (all-MiniLM-L6-v2: 256 fresh sequences gave 9.0e-3 where every token scaled gave 3.5e-4)
-    in_sample, _, _ = equivariance(oracle, offsets, rng, max(BASES, int(verify)), baseline=False)
+    # and the check's own figures on as many sequences of the method's draw, each twin rescaled but not permuted:
+    # the same inputs without the identity under test (a position effect inside the blocks would raise a
+    # permuted reference with the figure it is compared with). Its tail is heavier than the all-token scaling's
+    # (all-MiniLM-L6-v2: 256 fresh sequences gave 9.0e-3 where every token scaled gave 3.5e-4)
+    in_sample, _, _, in_median = equivariance(oracle, offsets, rng, max(BASES, int(verify)), baseline=False,
+                                              permute=False)
     together = max(scaled, in_sample)
     diag.update({"offsets_residual": so.residual, "offsets_start_residual": so.start_residual,
                  "offsets_newton_steps": so.steps, "offsets_queries": so.queries,
                  "offsets_residual_all_tokens": scaled, "equivariance_in_sample": in_sample,
+                 "equivariance_in_sample_median": in_median,
                  "offsets_condition": so.condition, "offsets_floor": floor})
     if progress is not None:
         progress(1)
@@ -363,21 +375,29 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     if not check:
         return _with(res, ModelCheck("unchecked", MODEL, detail="the model check was skipped"), t0)
     crng = rng if check_rng is None else np.random.default_rng(check_rng)
-    fid, fid0, vq = equivariance(oracle, offsets, crng, verify)
+    fid, fid0, vq, fid_median = equivariance(oracle, offsets, crng, verify)
     # each of a check sequence's P tokens can move its answers by about Newton's residual through its offset's
     # error, in either of the two queries: at least 2 P x the residual is allowed (float64, d = 96: residual
     # 2.4e-11, figure 7.8e-10)
     spread = 2 * offsets.shape[0] * residual
     limit = max(CHECK_FACTOR * max(together, floor), spread)
+    # a typical sequence too: the median of as many sequences is stable where the largest follows the tail
+    # (measured: fresh over reference medians 0.81 - 1.16 on float32 d = 8 encoders), so 10x it
+    med_limit = max(MEDIAN_FACTOR * max(in_median, floor), spread)
     detail = (f"{verify} fresh sequences of 2 to {length} tokens and their permuted, rescaled twins agree to "
-              f"{fid:.3g} with the recovered offsets ({fid0:.3g} without them); threshold {limit:.3g}: "
-              f"{CHECK_FACTOR}x the largest of the same figure on as many sequences of the method's draw, the "
-              f"offsets' residual with every token scaled, and the identity's floor {floor:.3g} (30x the answers' ({kind.describe()}) precision or LN_emb's eps over the tokens' "
-              f"variance, times the map's rms gain {so.condition:.3g}), at least 2 P x their one-token residual")
+              f"{fid:.3g} (median {fid_median:.3g}) with the recovered offsets ({fid0:.3g} without them); "
+              f"threshold {limit:.3g} (median {med_limit:.3g}): {CHECK_FACTOR}x ({MEDIAN_FACTOR:g}x for the "
+              f"median) the largest of the same figures on as many rescaled twins of the method's draw that "
+              f"keep every token's position ({in_sample:.3g}, median {in_median:.3g}), the offsets' residual with "
+              f"every token scaled, and the identity's floor {floor:.3g} (30x the answers' ({kind.describe()}) "
+              f"precision or LN_emb's eps over the tokens' variance, times the map's rms gain "
+              f"{so.condition:.3g}), at least 2 P x their one-token residual")
     diag["equivariance_without_offsets"] = fid0
-    if fid > limit:
+    diag["equivariance_median"] = fid_median
+    if fid > limit or fid_median > med_limit:
+        figure, thr = (fid, limit) if fid > limit else (fid_median, med_limit)
         raise ModelMismatch(f"the encoder's answers are not those of position-free blocks behind the recovered "
-                            f"offsets: {detail}", check="permutation equivariance", figure=fid, threshold=limit)
+                            f"offsets: {detail}", check="permutation equivariance", figure=figure, threshold=thr)
     mc = ModelCheck("pass", MODEL, answers=kind.describe(), figure=fid, threshold=limit, verify_queries=vq,
                     detail=detail)
     return _with(res, mc, t0)
