@@ -536,7 +536,7 @@ def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, e
             A = np.where(den > 0, np.einsum("ni,nij,nj->n", r1, G, r0) / np.where(den > 0, den, 1.0), 0.0)
             A = np.where(np.abs(A) < sq, np.where(A >= 0, sq, -sq), A)      # keep the reading sensitive
             # min-norm least squares (lstsq's cut-off: eps times the larger side)
-            pc = (np.linalg.pinv(P, rtol=np.finfo(float).eps * max(2, int(r)))
+            pc = (np.linalg.pinv(P, rcond=np.finfo(float).eps * max(2, int(r)))
                   @ (r0 - A[:, None] * r1)[..., None])[..., 0]
             D[q] = (A * ag[j])[:, None] * basis.Wd[:, gg[j]].T + pc @ basis.Q[:, :r].T
             offset[q] = sq * hh_self[j] + np.einsum("ni,ni->n", pc, Ph)
