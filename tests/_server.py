@@ -23,8 +23,22 @@ def headthief(*args, check=True, env=None, timeout=120) -> subprocess.CompletedP
     return r
 
 
+def keys(*args) -> str:
+    """``headthief keys ARGS`` in this process (the set-up of the server tests: a Python start-up less per call;
+    the ``keys`` commands themselves are tested as subprocesses in test_server_cli.py); its stdout."""
+    import io
+
+    from headthief.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["keys", *map(str, args)])
+    if code != 0:
+        raise AssertionError(f"headthief keys {' '.join(map(str, args))} exited {code}: {err.getvalue()}")
+    return out.getvalue()
+
+
 def add_key(db, name, *opts) -> str:
-    key = headthief("keys", "add", name, "--db", db, *opts).stdout
+    key = keys("add", name, "--db", db, *opts)
     assert re.fullmatch(r"ht_[A-Za-z0-9_-]{40,}\n", key), key
     return key.strip()
 
@@ -90,7 +104,7 @@ class Server:
 
 def used(db, name) -> int:
     """Queries charged to the key ``name`` (``keys list --json``)."""
-    return {r["name"]: r["used"] for r in json.loads(headthief("keys", "list", "--db", db, "--json").stdout)}[name]
+    return {r["name"]: r["used"] for r in json.loads(keys("list", "--db", db, "--json"))}[name]
 
 
 @contextlib.contextmanager
