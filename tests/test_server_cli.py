@@ -5,6 +5,7 @@ memory a large JSON body costs."""
 
 import argparse
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -183,7 +184,9 @@ def test_keys_commands_other_than_add_never_make_a_database(tmp_path):
 
 def test_keys_revoke_and_set_take_effect_on_a_running_server(pyserver):
     s, key, work = pyserver
-    k = add_key(s.db, "limits", "--budget", "4")
+    k = headthief("keys", "add", "limits", "--budget", "4", "--db", s.db).stdout      # as a user types it
+    assert re.fullmatch(r"ht_[A-Za-z0-9_-]{40,}\n", k), k
+    k = k.strip()
     h = {"Authorization": f"Bearer {k}"}
     one = {"sequences": [[[0.1] * 8]]}
     with httpx.Client(base_url=s.url, timeout=30) as c:
