@@ -469,13 +469,12 @@ def _read_cross(reader: _Reader, basis: _Basis, B, base, mu, *, tight: bool) -> 
     gg = np.repeat([p[1] for p in pairs], n)
     kk = np.tile(np.arange(n), len(pairs))
     m = hh.size
-    Y = np.empty((m, d))
-    yg = np.empty(m)
-    yh = np.empty(m)
     rr = np.minimum(ell[hh, kk], ell[gg, kk]).astype(int)
     if np.any(rr < 2):
         raise NotIdentifiable("isolating two heads needs at least 2 directions of V^perp on which both "
                               "are known")
+    # the first reading's saturation guard (the tight reading builds its own probes, so only the checks)
+    Y, yg, yh = (None, None, None) if tight else (np.empty((m, d)), np.empty(m), np.empty(m))
     for r in np.unique(rr):                    # every probe with r known directions at once
         j = np.flatnonzero(rr == r)
         ph, pg = mu[hh[j], kk[j], H:H + r], mu[gg[j], kk[j], H:H + r]
@@ -485,21 +484,22 @@ def _read_cross(reader: _Reader, basis: _Basis, B, base, mu, *, tight: bool) -> 
         ne = np.linalg.norm(eta, axis=1)
         if np.any(ne == 0):
             raise NotIdentifiable("two heads have parallel score vectors on V^perp; cannot switch one off")
+        if tight:
+            continue
         eta /= ne[:, None]
         Y[j] = -(eta @ basis.Q[:, :r].T)
         yg[j] = -np.einsum("ij,ij->i", eta, pg)
         yh[j] = -np.einsum("ij,ij->i", eta, ph)
-    U = basis.alpha[hh, None] * basis.Wd[:, hh].T + basis.alpha[gg, None] * basis.Wd[:, gg].T
-    mg_g = mu[gg, kk, gg] * basis.alpha[gg]
-    if not tight:
-        bound = np.abs(mg_g) + 2.0 * np.sqrt(d) * max(reader.scaler.m, 1e-300)
-        val = reader.read(B[kk], base[kk], U, basis.alpha[hh], sat=(Y, yg, yh, bound))
-        mu[hh, kk, gg] = (val - basis.alpha[hh] * mu[hh, kk, hh]) / basis.alpha[gg]
+    if tight:
+        _read_cross_tight(reader, basis, B, base, mu, hh, gg, kk, rr)
         return
-    _read_cross_tight(reader, basis, B, base, mu, hh, gg, kk, ell)
+    U = basis.alpha[hh, None] * basis.Wd[:, hh].T + basis.alpha[gg, None] * basis.Wd[:, gg].T
+    bound = np.abs(mu[gg, kk, gg] * basis.alpha[gg]) + 2.0 * np.sqrt(d) * max(reader.scaler.m, 1e-300)
+    val = reader.read(B[kk], base[kk], U, basis.alpha[hh], sat=(Y, yg, yh, bound))
+    mu[hh, kk, gg] = (val - basis.alpha[hh] * mu[hh, kk, hh]) / basis.alpha[gg]
 
 
-def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, ell) -> None:
+def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, rr) -> None:
     """Second reading of the cross coordinates, with the first reading known to ~1e-8.
 
     ``delta = s w^_h + A w^_g + p`` (``w^ = alpha w``, ``p`` in V^perp): head g is switched off
@@ -515,7 +515,6 @@ def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, e
     X0 = mu[hh, kk, gg] * ag                   # w^_g^T m_h (first reading)
     gg_self = mu[gg, kk, gg] * ag              # w^_g^T m_g
     gh = mu[gg, kk, hh] * ah                   # w^_h^T m_g (first reading)
-    rr = np.minimum(ell[hh, kk], ell[gg, kk]).astype(int)
 
     def extra(k, s):
         k, s = np.asarray(k), np.asarray(s, dtype=np.float64)
