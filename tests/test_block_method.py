@@ -107,6 +107,33 @@ def test_value_sum_float32_within_the_stencils_error():
     assert np.max(np.abs(vs.b - b)) <= 20 * vs.expected * np.max(np.abs(B))
 
 
+def test_measured_step_states_its_error_and_beats_the_rule():
+    """Coarse answers: the step read from a ladder of steps, and the error it states, against the
+    derivatives of the block's float64 twin along fresh directions at the same token."""
+    from headthief.extraction.block.value_sum import LADDER, PILOT_DIRECTIONS, measured_step, stencil_derivative, \
+        stencil_tokens
+    b32, b64 = (random_block(D, H, FFN, seed=27, dtype=t) for t in (np.float32, np.float64))
+    o32, o64 = ModelOracle(b32), ModelOracle(b64)
+    rng = np.random.default_rng(27)
+    s = np.sqrt(D)
+    x = rng.standard_normal(D) * s / np.sqrt(D)
+    x *= s / np.linalg.norm(x)
+    h0 = s * fit_output_layernorm(answers(b32, 27)).sphere_residual ** 0.2 / np.sqrt(D)
+    h, err, rms, q = measured_step(o32, x, rng, h0, limit=0.25 * s)
+    rungs = int(np.sum(2 * h0 * LADDER <= 0.25 * s))                          # the rungs inside the limit
+    assert 3 <= rungs < len(LADDER) and q == o32.queries == 4 * PILOT_DIRECTIONS * rungs
+    Q = np.linalg.qr(rng.standard_normal((D, 16)))[0].T
+
+    def derivative(oracle, step):
+        return stencil_derivative(np.asarray(oracle.query_packed(stencil_tokens(x, Q, step)[:, None, :])), 16, step)
+
+    truth = derivative(o64, 1e-3)
+    true_err = np.linalg.norm(derivative(o32, h) - truth) / np.linalg.norm(truth)
+    rule_err = np.linalg.norm(derivative(o32, h0) - truth) / np.linalg.norm(truth)
+    assert err / 3 <= true_err <= 3 * err          # measured 0.8 - 1.3x on three blocks (docstring)
+    assert true_err < rule_err
+
+
 class _Stack:
     """Two blocks given as one black box (the wrong model class for the block method)."""
 

@@ -10,7 +10,7 @@ Implements and extends Bhattamishra, Shah, Hahn, Kanade, "Provably Learning Atte
 functions that need them.
 """
 
-from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
+from .errors import (BudgetExceeded, ComputeLimit, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
                      OracleError, SpecError)
 from .extraction import Extraction, Fidelity, exact_query_count, extract_exact
 from .extraction import extract_membership, extract_membership_paper
@@ -46,6 +46,6 @@ __all__ = [
     "SignOnly", "extract_membership", "extract_membership_paper",
     "extract_lowrank", "lowrank_query_count", "extract_rop", "rop_query_count",
     "Tolerance", "extract_noisy", "extract_noisy_paper",
-    "HeadthiefError", "BudgetExceeded", "NotIdentifiable", "InvalidQuery", "OracleError",
+    "HeadthiefError", "BudgetExceeded", "ComputeLimit", "NotIdentifiable", "InvalidQuery", "OracleError",
     "ConvergenceError", "SpecError", "ModelMismatch",
 ]

@@ -38,6 +38,11 @@ class NotIdentifiable(HeadthiefError):
     """The target's parameters cannot be determined from the queries this oracle allows."""
 
 
+class ComputeLimit(HeadthiefError):
+    """A run's planned arithmetic is above the limit it was given (``--max-tflop``): it stops before the
+    stages that would exceed it, with what it recovered so far."""
+
+
 class ConvergenceError(HeadthiefError):
     """A bounded iterative procedure hit its cap without meeting its stopping rule."""
 

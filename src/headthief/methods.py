@@ -402,7 +402,8 @@ def _run_block(oracle, target, args, progress, clean=None):
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
                                       verify=kw["verify"], check=kw["check"], progress=progress)
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
-                         progress=progress, stage_f=getattr(args, "stage_f", "auto"))
+                         progress=progress, stage_f=getattr(args, "stage_f", "auto"),
+                         max_tflop=float(getattr(args, "max_tflop", 100.0)))
 
 
 def _expected_block(target, args):

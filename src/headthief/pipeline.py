@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import (BudgetExceeded, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
+from .errors import (BudgetExceeded, ComputeLimit, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
                      OracleError, SpecError)
 from .extraction.precision import finite_or_none
 from .oracles.base import Oracle, oracle_stack
@@ -83,6 +83,7 @@ class Options:
     heads: str = "auto"
     ffn: int | None = None
     stage_f: str = "auto"
+    max_tflop: float = 100.0
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -127,7 +128,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
-    "ffn": {"block", "encoder"}, "stage_f": {"block"},
+    "ffn": {"block", "encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -272,6 +273,8 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--verify-len must be >= 1, got {opts.verify_len}")
     if opts.stage_f not in ("auto", "full", "probes"):
         raise SpecError(f"--stage-f must be auto, full or probes, got {opts.stage_f!r}")
+    if not opts.max_tflop > 0:                 # NaN too
+        raise SpecError(f"--max-tflop must be > 0, got {opts.max_tflop}")
     if opts.save:
         check_output_path(saved_path(opts.save), "--save")
     if opts.journal:
@@ -379,7 +382,7 @@ def _exit_code(exc: BaseException) -> int:
         return EXIT_BUDGET
     if isinstance(exc, ModelMismatch):
         return EXIT_MISMATCH
-    if isinstance(exc, (NotIdentifiable, InvalidQuery, SpecError, ValueError)):
+    if isinstance(exc, (NotIdentifiable, ComputeLimit, InvalidQuery, SpecError, ValueError)):
         return EXIT_SETTINGS
     if isinstance(exc, (OracleError, ConvergenceError, JournalError)):
         return EXIT_ORACLE
@@ -399,7 +402,7 @@ def _comparable(res, truth) -> bool:
     how the target behaved."""
     if truth is None:
         return False
-    from .extraction.block.extract import BlockExtraction
+    from .extraction.block.extract import BlockExtraction, BlockParts
     from .extraction.rope import RopeExtraction
     from .extraction.vector import VectorExtraction
     from .models.bert_block import BertBlock
@@ -407,7 +410,7 @@ def _comparable(res, truth) -> bool:
     from .models.multihead import MultiHeadAttention
     if isinstance(res, VectorExtraction):
         return isinstance(truth, CanonicalLayer)
-    if isinstance(res, BlockExtraction):
+    if isinstance(res, (BlockExtraction, BlockParts)):
         return isinstance(truth, BertBlock) and truth.activation == "gelu"
     from .extraction.block.encoder import EncoderExtraction
     from .extraction.block.encoder_parts import EncoderParts

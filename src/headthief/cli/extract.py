@@ -51,6 +51,10 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--stage-f", dest="stage_f", default="auto", choices=("auto", "full", "probes"),
                    help="block: stage F from full tangent Jacobians or from probe Jacobians (a quarter of the "
                         "queries or fewer from d = 64 at ffn = 4 d); auto (default) takes probes where they save that")
+    e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
+                   help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
+                        "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "
+                        "(MiniLM's blocks in float32: about 5,000)")
     e.add_argument("--max-len", dest="max_len", type=int, default=D.max_len, metavar="N",
                    help="rope: the longest query the extraction sends, in tokens (default 16)")
     e.add_argument("--verify-len", dest="verify_len", type=int, default=D.verify_len, metavar="N",

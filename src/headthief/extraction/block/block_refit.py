@@ -23,6 +23,15 @@ from ...errors import ConvergenceError
 from .lbfgs import GAIN, minimize_in_chunks, normalize, normalize_back, pack, unpack
 
 MAX_ITER = 20000
+REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
+
+
+def refit_counts(d: int, ffn: int) -> list[int]:
+    """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each, with
+    ``params`` the block refit's parameter count (:func:`params_of`; H d_h = d)."""
+    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
+    per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
+    return [-(-per // T) for T in REFIT_LENGTHS]
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 
 
@@ -142,4 +151,4 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
                  "block_refit_message": message}
 
 
-__all__ = ["loss_and_grad", "params_of", "refit_block"]
+__all__ = ["REFIT_LENGTHS", "loss_and_grad", "params_of", "refit_block", "refit_counts"]

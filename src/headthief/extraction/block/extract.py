@@ -43,9 +43,10 @@ from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
-from .block_refit import refit_block
+from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .one_token_refit import model_jacobian, refit_from_oracle
 from .smoothness import check_smooth_activation
+from .arithmetic import MAX_TFLOP, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
@@ -108,6 +109,44 @@ class BlockExtraction:
                                                           "ffn": str(self.block.ffn)}, None)
             return
         np.savez(p, **{k.replace(".", "/"): v for k, v in tensors.items()})
+
+
+@dataclass(frozen=True, eq=False)
+class BlockParts:
+    """What a block run that stopped after stage V recovered (its later stages above ``--max-tflop``,
+    :mod:`.arithmetic`): LN2 (``ln``), ``B`` and ``b`` (``value``), the activation check's ratio, the plan of
+    what was not run (``plan``: floating-point operations by stage), and the stages' identities as the model
+    check. Attached as ``.result`` to the :class:`~headthief.errors.ComputeLimit` that ends the run."""
+
+    ln: OutputLayerNorm
+    value: ValueSum
+    activation_ratio: float
+    plan: Mapping[str, float]
+    queries: int
+    seconds: float
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    check: Any = None
+    method: str = "block (parts)"
+
+    def __post_init__(self):
+        freeze_fields(self, ())
+
+    @property
+    def d(self) -> int:
+        return self.ln.d
+
+    @property
+    def rank(self) -> None:          # no head was recovered
+        return None
+
+    def errors(self, truth) -> dict[str, Any]:
+        """LN2 (gamma up to the global sign) and ``P B``, ``P b`` against a :class:`BertBlock`, as
+        :func:`block_errors` compares them."""
+        sign = 1.0 if float(self.ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
+        B, b = truth.value_output_sum()
+        return {"ln2_gamma_rel_err": rel_err(sign * self.ln.gamma, truth.ln2_gamma),
+                "ln2_beta_rel_err": rel_err(self.ln.beta, truth.ln2_beta),
+                "B_rel_err": rel_err(self.value.B, centre(B)), "b_rel_err": rel_err(self.value.b, centre(b))}
 
 
 def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
@@ -212,24 +251,13 @@ def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> n
     return np.asarray(oracle.query_packed(X)), X
 
 
-REFIT_LENGTHS = (2, 4, 8, 16)
-
-
-def _refit_counts(d: int, ffn: int) -> list[int]:
-    """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each, with
-    ``params`` the block refit's parameter count (:func:`.block_refit.params_of`; H d_h = d)."""
-    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
-    per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
-    return [-(-per // T) for T in REFIT_LENGTHS]
-
-
 def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, block) -> list:
     """Random sequences for the block refit (:mod:`.block_refit`): for each length in REFIT_LENGTHS, enough
     sequences for a quarter of ``max(4000, 8 x parameters / d)`` answered positions; tokens of norm
     ``scale``. Returns ``[(X (N, T, d), Y (N, T, d)), ...]``."""
     d = oracle.d
     out = []
-    for T, n in zip(REFIT_LENGTHS, _refit_counts(d, block.ffn)):
+    for T, n in zip(REFIT_LENGTHS, refit_counts(d, block.ffn)):
         X = rng.standard_normal((n, T, d))
         X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
@@ -244,26 +272,30 @@ def _probes(d: int, ffn: int, stage_f: str) -> bool:
 
 def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "auto") -> int:
     """The planned query count (answers at every position) for the progress bar: stage L, the activation
-    check, stage V (3 base tokens), stage F with its one-token check, stage A, the model check; for float32
+    check, stage V (3 base tokens; for float32 6 and the step's ladder, every rung counted), stage F with its one-token check, stage A, the model check; for float32
     answers the one-token refit's random tokens and the block refit's sequences, and no Jacobian stencils
     in stage A (it pulls back through the refitted model)."""
     from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
+    from .value_sum import BASES, COARSE_BASES, LADDER, PILOT_DIRECTIONS
     f = probe_queries(d, ffn) if _probes(d, ffn, stage_f) else full_queries(d, ffn)
-    base = _ln_sequences(d) + CIRCLES * MAX_POINTS + 3 * 8 * d + f + 64 + 256
+    v = COARSE_BASES * 8 * d + 4 * PILOT_DIRECTIONS * len(LADDER) if float32 else BASES * 8 * d
+    base = _ln_sequences(d) + CIRCLES * MAX_POINTS + v + f + 64 + 256
     if not float32:
         return base + stage_a_queries(d)
     return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
-            + sum(_refit_counts(d, ffn)))
+            + sum(refit_counts(d, ffn)))
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
-                  stage_f: str = "auto") -> BlockExtraction:
+                  stage_f: str = "auto", max_tflop: float = MAX_TFLOP) -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
-    they need a quarter of the queries or fewer)."""
+    they need a quarter of the queries or fewer). Where the stages after V plan more than ``max_tflop``
+    TFLOP (:mod:`.arithmetic`; MiniLM's size: thousands), the run stops after stage V with
+    :class:`~headthief.errors.ComputeLimit`, the parts read so far attached as ``.result``."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     rng = np.random.default_rng(rng)
@@ -301,6 +333,9 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     q0 = oracle.queries
     vs = value_sum(oracle, rng, precision=eps, scale=scale)
     mark("V", q0)
+    plan = planned(d, int(ffn), probes=_probes(d, int(ffn), stage_f), coarse=eps > COARSE)
+    if over_limit(plan, max_tflop):
+        raise _stopped_after_v(ln, vs, act.ratio, plan, max_tflop, oracle, before, t0, stages, seconds, kind)
     q0 = oracle.queries
     # stage F's steps and its one-token threshold (100 x eps^0.8 sqrt(d)) were validated at a floor of 1e-15
     # (20/20 seeds, docs/block.md); at float64's own 1.1e-16 the threshold sits at the figures it passes
@@ -353,6 +388,37 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
 
 
+def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, stages, seconds, kind) -> Exception:
+    """The :class:`ComputeLimit` that ends a run after stage V, with the parts read (:class:`BlockParts`)."""
+    from ...errors import ComputeLimit
+    from .value_sum import CONSISTENCY
+    total = sum(plan.values()) / 1e12
+    detail = (f"the identities of the stages run hold: answers on one LayerNorm's hyperplane and ellipsoid (stage L), "
+              f"a smooth activation (4th-difference ratio {ratio:.1f}), the one-token Jacobians explained by one "
+              f"value-output map (residual {vs.residual:.3g} <= {CONSISTENCY * vs.expected:.3g}); the block as a whole "
+              "is not checked (stages F and A not run)")
+    mc = ModelCheck("pass", MODEL, answers=kind.describe(), figure=vs.residual, threshold=CONSISTENCY * vs.expected,
+                    detail=detail)
+    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()},
+            **{f"seconds_stage_{k}": v for k, v in seconds.items()}, "activation_ratio": ratio,
+            "ln2_sphere_residual": ln.sphere_residual, "value_sum_residual": vs.residual,
+            "value_sum_conditioning": vs.conditioning, "value_sum_expected": vs.expected, "value_sum_step": vs.step,
+            "planned_tflop": total, **{f"planned_tflop_{k.split()[0]}": v / 1e12 for k, v in plan.items()},
+            "max_tflop": float(max_tflop), **cost(oracle, before)}
+    parts = BlockParts(ln=ln, value=vs, activation_ratio=ratio, plan=dict(plan),
+                       queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
+                       diagnostics=diag, check=mc)
+    exc = ComputeLimit(
+        f"stopped after stage V: the stages after it plan {total:.3g} TFLOP ({describe(plan)}), above --max-tflop "
+        f"{max_tflop:g}. Recovered: LN2's gamma and beta, B = I + sum_h O_h V_h and b (modulo the ones-vector; "
+        f"the stencil's measured error {vs.expected:.2g}, conditioning {vs.conditioning:.3g}), {parts.queries} queries. "
+        "Not run: stage F (LN1, the FFN), stage A (the heads)" + (", the refits" if "R block refit" in plan else "") +
+        ". Raise --max-tflop to run them on this machine (docs/block.md, \"Not reached\": at d = 384 that is days on "
+        "a 2-core CPU)")
+    exc.result = parts
+    return exc
+
+
 def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed) -> ModelCheck:
     # coarse answers: stage A's residual is that of a start the block refit replaced; the parts' precision is
     # then the refitted one-token map's fidelity on fresh queries and the answers' own (never the refit's own
@@ -374,4 +440,4 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
     return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge)
 
 
-__all__ = ["BlockExtraction", "assemble", "block_errors", "expected_queries", "extract_block"]
+__all__ = ["BlockExtraction", "BlockParts", "assemble", "block_errors", "expected_queries", "extract_block"]

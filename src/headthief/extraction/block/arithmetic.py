@@ -1,0 +1,76 @@
+"""The block method's planned arithmetic, stage by stage: what ``--method block`` will compute after stage V,
+known from d, the FFN's width, the route of stage F and the answers' kind before the long stages start.
+
+At all-MiniLM-L6-v2's size (d = 384, FFN 1536) with float32 answers the stages after V are several thousand
+TFLOP (a few minutes of an H200, days of a 2-core CPU: docs/block.md, "Not reached"), so a run there stops
+after stage V with what it recovered and these figures (``--max-tflop``, :func:`over_limit`), instead of
+going on for days.
+
+Counted (a multiply-add is two operations; the leading terms of the code's own loops):
+
+* **F, span** (:func:`.ffn.span`): ``SPAN_STEPS`` steps (measured 40 - 130 with Anderson mixing) over
+  ``T = max(5 (ffn + 1), 2 d)`` points. Probe route (:mod:`.ffn_probes`, ``p`` probes, the span in
+  ``D = d p`` dimensions, rank ``r = ffn + 1``, a point's nuisance of width ``w = p + d - 1``): per point the
+  nuisance against the span (``4 d p r``), its normal matrix (``2 w^2 r``) and pseudo-inverse (``10 w^3``), and
+  the lifted matrices' SVD; full route: per point the nuisance basis against the span (``8 d^3 r``) and a
+  least squares of ``d^2 x 2 d`` (``8 d^4``), and the SVD.
+* **F+, one-token refit** (coarse answers, :mod:`.one_token_refit`): ``REFIT_ITERATIONS`` L-BFGS iterations
+  (the most measured: 4,500), each a forward and backward pass (3 forward's operations) over its random tokens,
+  ``2 d^2 + 4 d ffn`` a forward.
+* **R, block refit** (coarse answers, :mod:`.block_refit`): the same over its sequences' positions,
+  ``8 d^2 + 4 d ffn + 4 L d`` a position's forward in a sequence of L tokens.
+* **A, pull-backs** (:mod:`.heads`): a d x d product per read, 3 step sizes x (2 d + 8) bases x (2 d + 1)
+  directions.
+
+Not counted: the target's own evaluation of the queries (the oracle's side; its cost is the queries, which
+the budget bounds) and stage A's alternating least squares (seconds at d = 32).
+"""
+
+from __future__ import annotations
+
+SPAN_STEPS = 100          # Anderson-mixed span steps (measured 40 - 130 at d = 16, 32, 64)
+REFIT_ITERATIONS = 4500   # L-BFGS iterations of either refit (the most measured, d = 16 and 32, float32)
+MAX_TFLOP = 100.0         # the default limit (--max-tflop): hours at most on a 2-core machine
+
+
+def _svd(m: int, n: int) -> float:
+    k = min(m, n)
+    return 4.0 * m * n * k + 10.0 * k ** 3
+
+
+def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]:
+    """Floating-point operations of the stages after V (module docstring), by stage: ``F span``,
+    ``F+ one-token refit`` and ``R block refit`` (coarse answers only), ``A pull-backs``."""
+    from .block_refit import REFIT_LENGTHS, refit_counts
+    from .ffn_probes import probe_count
+    from .one_token_refit import random_queries
+    T = max(5 * (ffn + 1), 2 * d)
+    r = ffn + 1
+    if probes:
+        p = probe_count(d, ffn)
+        D, w = d * p, p + d - 1
+        step = T * (4.0 * d * p * r + 2.0 * w * w * r + 10.0 * w ** 3) + _svd(T, D)
+    else:
+        step = T * (8.0 * d ** 3 * r + 8.0 * d ** 4) + _svd(T, d * d)
+    out = {"F span": SPAN_STEPS * step}
+    if coarse:
+        one = 3.0 * (2 * d * d + 4 * d * ffn)
+        out["F+ one-token refit"] = REFIT_ITERATIONS * one * random_queries(d, ffn)
+        positions = sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
+                        for L, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)))
+        out["R block refit"] = REFIT_ITERATIONS * (positions + one * random_queries(d, ffn))
+    out["A pull-backs"] = 3.0 * (2 * d + 8) * (2 * d + 1) * 2.0 * d * d
+    return out
+
+
+def describe(plan: dict[str, float]) -> str:
+    """``"F span 930 TFLOP, ..."``: the plan in TFLOP, largest first."""
+    return ", ".join(f"{k} {v / 1e12:.3g} TFLOP" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))
+
+
+def over_limit(plan: dict[str, float], max_tflop: float) -> bool:
+    """Whether the plan's total is above ``max_tflop`` TFLOP."""
+    return sum(plan.values()) > float(max_tflop) * 1e12
+
+
+__all__ = ["MAX_TFLOP", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit", "planned"]
