@@ -5,6 +5,7 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
 * :mod:`.layernorm` (stage L): the output LayerNorm's gamma_2, beta_2 from the answers' ellipsoid;
 * :mod:`.value_sum` (stage V): ``B = I + sum_h O_h V_h`` and ``b`` (mod the ones-vector) from
   finite-difference Jacobians of one- and two-token answers;
+* :mod:`.arithmetic`: the floating-point operations the stages after V plan (``--max-tflop``);
 * :mod:`.smoothness`: the activation check (GELU is smooth; a ReLU's kinks are a ModelMismatch);
 * :mod:`.ffn` (stage F): LN1 and the GELU FFN (every neuron) from the span of finite-difference
   Jacobians on LN1's sphere, once stages L and V make LN1's output choosable; checked on fresh one-token queries;
@@ -26,8 +27,9 @@ Stages built so far (each exact up to the block's symmetries and the answers' pr
 * :mod:`.encoder_parts`: what an encoder API gives away without a block taken apart (``hidden=last``, or
   d > 88): the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check.
 
-Not reached at MiniLM's size (d = 384): stage V refuses MiniLM's float32 one-token Jacobian, and stage A's
-reads, stage F's span and both refits have not been scaled to d = 384. See ``docs/block.md``.
+Not reached at MiniLM's size (d = 384): stage V reads MiniLM's float32 blocks, but the stages after it plan
+thousands of TFLOP (:mod:`.arithmetic`), so such a run stops after stage V (``--max-tflop``); stage A's reads
+are not reduced. See ``docs/block.md``.
 """
 
 from .embeddings import Embeddings, embedding_stage
