@@ -130,30 +130,24 @@ def jacobians(oracle: Oracle, x: np.ndarray, Qb: np.ndarray, h: float) -> tuple[
     return J_psi, J_self, J_cross, q
 
 
-def measured_step(oracle: Oracle, x: np.ndarray, rng: np.random.Generator, h0: float, *,
-                  limit: float) -> tuple[float, float, float, int]:
-    """The five-point step for coarse answers, measured at base token x: derivatives along
-    ``PILOT_DIRECTIONS`` random directions at every step of ``h0 * LADDER`` (up to ``limit``), each compared
-    with the next rung's. The change between rungs j and j + 1 is modelled as rounding plus truncation,
-    ``change_j^2 = 1.25 a / h_j^2 + 225 b h_j^8`` (a derivative's rounding error ``sqrt(a) / h`` halves from one
-    rung to the next; its truncation ``sqrt(b) h^4`` grows 16x), fitted with ``a, b >= 0`` on the relative
-    misfit; the step is the rung where ``a / h^2 + b h^8`` is least, and that is its error. Measured against
-    float64 twins (MiniLM block 2, random float32 blocks at d = 16 and 32): the model's error within
-    0.8 - 1.3x the true one at every rung; the rule's step ``h0`` (which assumes curvature on the tokens' own
-    scale) was 4 - 16x worse than the one picked on MiniLM. Returns ``(h, relative error, rms of one
-    derivative's entries, queries)``."""
+def ladder_step(derivative, h0: float, *, limit: float) -> tuple[float, float, float, int]:
+    """The five-point step for coarse answers, measured: ``derivative(h)`` (a matrix of derivatives along a
+    few fixed directions at step h; it asks its own queries) at every step of ``h0 * LADDER`` up to
+    ``limit``, each compared with the next rung's. The change between rungs j and j + 1 is modelled as
+    rounding plus truncation, ``change_j^2 = 1.25 a / h_j^2 + 225 b h_j^8`` (a derivative's rounding error
+    ``sqrt(a) / h`` halves from one rung to the next; its truncation ``sqrt(b) h^4`` grows 16x), fitted with
+    ``a, b >= 0`` on the relative misfit; the step is the rung where ``a / h^2 + b h^8`` is least, and that is
+    its error. Measured against float64 twins (MiniLM block 2, random float32 blocks at d = 16 and 32): the
+    model's error within 0.8 - 1.3x the true one at every rung; the rule's step ``h0`` (which assumes
+    curvature on the tokens' own scale) was 4 - 16x worse than the one picked on MiniLM. Returns ``(h,
+    relative error, rms of one derivative's entries, rungs asked)``; ``(h0, nan, nan, 0)`` where fewer than
+    three rungs fit under ``limit``."""
     from scipy.optimize import nnls
-    d = x.size
-    k = min(PILOT_DIRECTIONS, d)
-    Qp = np.linalg.qr(rng.standard_normal((d, k)))[0].T
     hs = h0 * LADDER
     hs = hs[2 * hs <= limit]
     if len(hs) < 3:
         return float(h0), float("nan"), float("nan"), 0
-    T = np.concatenate([stencil_tokens(x, Qp, h) for h in hs])
-    Y = np.asarray(oracle.query_packed(T[:, None, :]))
-    n = len(STENCIL) * k
-    D = [stencil_derivative(Y[i * n:(i + 1) * n], k, h) for i, h in enumerate(hs)]
+    D = [np.asarray(derivative(float(h))) for h in hs]
     change = np.array([np.linalg.norm(D[i + 1] - D[i]) / max(np.linalg.norm(D[i]), 1e-300)
                        for i in range(len(hs) - 1)])
     change = np.maximum(change, 1e-300)
@@ -161,7 +155,23 @@ def measured_step(oracle: Oracle, x: np.ndarray, rng: np.random.Generator, h0: f
     (a, b), _ = nnls(M, np.ones(len(change)))
     err = np.sqrt(a / hs ** 2 + b * hs ** 8)
     j = int(np.argmin(err[:-1]))                # a rung with a change measured on both sides of it, or below
-    return float(hs[j]), float(err[j]), float(np.sqrt(np.mean(D[j] ** 2))), len(T)
+    return float(hs[j]), float(err[j]), float(np.sqrt(np.mean(D[j] ** 2))), len(hs)
+
+
+def measured_step(oracle: Oracle, x: np.ndarray, rng: np.random.Generator, h0: float, *,
+                  limit: float) -> tuple[float, float, float, int]:
+    """:func:`ladder_step` at base token x along ``PILOT_DIRECTIONS`` random directions (one-token answers):
+    ``(h, relative error, rms of one derivative's entries, queries)``."""
+    d = x.size
+    k = min(PILOT_DIRECTIONS, d)
+    Qp = np.linalg.qr(rng.standard_normal((d, k)))[0].T
+
+    def derivative(h):
+        Y = np.asarray(oracle.query_packed(stencil_tokens(x, Qp, h)[:, None, :]))
+        return stencil_derivative(Y, k, h)
+
+    h, err, rms, rungs = ladder_step(derivative, h0, limit=limit)
+    return h, err, rms, rungs * len(STENCIL) * k
 
 
 def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, scale: float | None = None,
