@@ -142,11 +142,7 @@ class BlockParts:
     def errors(self, truth) -> dict[str, Any]:
         """LN2 (gamma up to the global sign) and ``P B``, ``P b`` against a :class:`BertBlock`, as
         :func:`block_errors` compares them."""
-        sign = 1.0 if float(self.ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
-        B, b = truth.value_output_sum()
-        return {"ln2_gamma_rel_err": rel_err(sign * self.ln.gamma, truth.ln2_gamma),
-                "ln2_beta_rel_err": rel_err(self.ln.beta, truth.ln2_beta),
-                "B_rel_err": rel_err(self.value.B, centre(B)), "b_rel_err": rel_err(self.value.b, centre(b))}
+        return _ln_and_value_errors(self.ln, self.value, truth)
 
 
 def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
@@ -196,20 +192,22 @@ def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads)
     return new_ln, new_vs, new_ffn, new_att
 
 
+def _ln_and_value_errors(ln: OutputLayerNorm, vs: ValueSum, truth) -> dict[str, Any]:
+    """Stages L and V against a :class:`BertBlock`: LN2 (gamma up to the global sign), ``P B``, ``P b``."""
+    sign = 1.0 if float(ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
+    B, b = truth.value_output_sum()
+    return {"ln2_gamma_rel_err": rel_err(sign * ln.gamma, truth.ln2_gamma),
+            "ln2_beta_rel_err": rel_err(ln.beta, truth.ln2_beta),
+            "B_rel_err": rel_err(vs.B, centre(B)), "b_rel_err": rel_err(vs.b, centre(b))}
+
+
 def block_errors(res: BlockExtraction, truth) -> dict[str, Any]:
     """Relative errors of every recovered part against a :class:`BertBlock` truth, modulo the symmetries of
     the module docstring (heads matched by the Hungarian method on ``P O_h``, neurons by their W_1 rows)."""
     from scipy.optimize import linear_sum_assignment
     d = truth.d
     P = np.eye(d) - 1.0 / d
-    sign = 1.0 if float(res.ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
-    out: dict[str, Any] = {
-        "ln2_gamma_rel_err": rel_err(sign * res.ln.gamma, truth.ln2_gamma),
-        "ln2_beta_rel_err": rel_err(res.ln.beta, truth.ln2_beta),
-    }
-    B, b = truth.value_output_sum()
-    out["B_rel_err"] = rel_err(res.value.B, centre(B))
-    out["b_rel_err"] = rel_err(res.value.b, centre(b))
+    out: dict[str, Any] = _ln_and_value_errors(res.ln, res.value, truth)
     can = truth.attention.canonical()
     H = truth.heads
     att = res.attention
