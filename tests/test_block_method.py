@@ -347,6 +347,21 @@ def test_stage_f_under_an_input_norm_bound():
     assert chk["fidelity"] <= 1e-9
 
 
+def test_float32_stage_v_under_an_input_norm_bound():
+    """Float32 stage V under an input-norm bound (tokens at half of it, as ``--method block`` puts them): the
+    step's ladder stays within a quarter of the tokens' norm and c0's Newton asks only the scalings whose
+    twins stay inside the bound; no query is refused and B is read as without the bound."""
+    block = random_block(D, H, FFN, seed=24, dtype=np.float32)
+    ln = fit_output_layernorm(answers(block, 24))
+    bound = 2.0 * np.sqrt(D) / 2.5                                  # tokens at 0.8 sqrt(d)
+    oracle = ModelOracle(block, input_norm=bound)
+    vs = value_sum(oracle, np.random.default_rng(24), precision=ln.sphere_residual, scale=0.5 * bound)
+    B, b = value_output_sum(block)
+    assert vs.queries == oracle.queries
+    assert np.max(np.abs(vs.B - B)) <= 20 * vs.expected * np.max(np.abs(B))
+    assert np.max(np.abs(vs.b - b)) <= 20 * vs.expected * np.max(np.abs(B))
+
+
 def _span_problem(d, rank, T, seed):
     """Jacobians ``J_t = sum_j c_tj E_j + n_t a_t^T + e_t m_t^T`` (the model :func:`ffn.span` assumes) with a
     known span ``{E_j}``, at random unit m_t, n_t of mean zero."""

@@ -186,13 +186,20 @@ def scale_newton(oracle: Oracle, xs: list, Js: list, c0: np.ndarray, c1: np.ndar
     order. Newton on the twins' answers at the base tokens ``xs`` (their Jacobians ``Js`` from stage V) and the
     ``SCALES`` reads e at the answers' own precision, not a finite difference's (as the encoder's offsets are
     read, :mod:`.encoder_parts`); c0 stays orthogonal to c1 (the ones-shift of pre, LN1's symmetry). Steps go
-    on while the twins' disagreement halves, at most ``steps``. Returns ``(c0, queries)``. Measured: from a
+    on while the twins' disagreement halves, at most ``steps``. Under an input-norm bound only the scalings
+    whose twins stay inside it are asked (none asked, c0 kept, where fewer than two do). Returns ``(c0,
+    queries)``. Measured: from a
     start 1e-3 off, c0 within 1.7e-7 - 3.4e-7 in 2 - 3 steps (random float32 blocks at d = 32); MiniLM block 2
     in float32, ``P b`` from 4.2e-5 - 8.3e-5 (the null-space equations) to 1.2e-5 - 2.1e-5 of ``max |P B|``,
     where B's own error now limits ``b = B c0``; 150 queries."""
-    a = np.asarray(SCALES)
-    w = (a - 1.0) / a
     X = np.stack(xs)
+    a = np.asarray(SCALES)
+    if oracle.input_norm is not None:              # only the scalings whose twins stay inside the bound
+        far = np.linalg.norm(a[None, :, None] * (X[:, None, :] + c0) - c0, axis=2).max(axis=0)
+        a = a[far <= 0.99 * oracle.input_norm]
+        if len(a) < 2:
+            return c0, 0
+    w = (a - 1.0) / a
     base = np.asarray(oracle.query_packed(X[:, None, :]), np.float64)
     GN = sum(float(w @ w) * (J.T @ J) for J in Js)
     q, best, best_c = len(X), np.inf, c0
