@@ -270,14 +270,16 @@ def _probes(d: int, ffn: int, stage_f: str) -> bool:
 
 def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "auto") -> int:
     """The planned query count (answers at every position) for the progress bar: stage L, the activation
-    check, stage V (3 base tokens; for float32 6 and the step's ladder, every rung counted), stage F with its one-token check, stage A, the model check; for float32
-    answers the one-token refit's random tokens and the block refit's sequences, and no Jacobian stencils
-    in stage A (it pulls back through the refitted model)."""
+    check, stage V (3 base tokens; for float32 6, the step's ladder and c0's Newton, each at its most), stage
+    F with its one-token check, stage A, the model check; for float32 answers the one-token refit's random
+    tokens and the block refit's sequences, and no Jacobian stencils in stage A (it pulls back through the
+    refitted model)."""
     from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
-    from .value_sum import BASES, COARSE_BASES, LADDER, PILOT_DIRECTIONS
+    from .value_sum import BASES, COARSE_BASES, LADDER, NEWTON, PILOT_DIRECTIONS, SCALES
     f = probe_queries(d, ffn) if _probes(d, ffn, stage_f) else full_queries(d, ffn)
-    v = COARSE_BASES * 8 * d + 4 * PILOT_DIRECTIONS * len(LADDER) if float32 else BASES * 8 * d
+    v = (COARSE_BASES * (8 * d + 1 + len(SCALES) * (NEWTON + 1)) + 4 * PILOT_DIRECTIONS * len(LADDER) if float32
+         else BASES * 8 * d)
     base = _ln_sequences(d) + CIRCLES * MAX_POINTS + v + f + 64 + 256
     if not float32:
         return base + stage_a_queries(d)
