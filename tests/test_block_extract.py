@@ -161,6 +161,7 @@ def test_planned_arithmetic_stops_minilm_sized_runs_and_not_the_sizes_run_here()
     assert over_limit(big, 1000.0) and set(big) == {"F span", "F+ one-token refit", "R block refit", "A pull-backs"}
     assert set(planned(384, 1536, probes=True, coarse=False)) == {"F span", "A pull-backs"}
     assert planned(384, 1536, probes=True, coarse=False)["F span"] == big["F span"]
+    assert ht.Options().max_tflop == MAX_TFLOP                  # the CLI's default is the method's
 
 
 def test_a_run_above_max_tflop_stops_after_stage_v_with_its_parts(tmp_path):

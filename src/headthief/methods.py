@@ -384,6 +384,7 @@ def _block_sizes(target, args) -> tuple[int | None, int | None]:
 
 
 def _run_block(oracle, target, args, progress, clean=None):
+    from .extraction.block.arithmetic import MAX_TFLOP
     from .extraction.block.extract import extract_block
     heads, ffn = _block_sizes(target, args)
     if ffn is None:
@@ -403,7 +404,7 @@ def _run_block(oracle, target, args, progress, clean=None):
                                       verify=kw["verify"], check=kw["check"], progress=progress)
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
-                         max_tflop=float(getattr(args, "max_tflop", 100.0)))
+                         max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)))
 
 
 def _expected_block(target, args):

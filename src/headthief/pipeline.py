@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import (BudgetExceeded, ComputeLimit, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch, NotIdentifiable,
-                     OracleError, SpecError)
+from .errors import (BudgetExceeded, ComputeLimit, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch,
+                     NotIdentifiable, OracleError, SpecError)
 from .extraction.precision import finite_or_none
 from .oracles.base import Oracle, oracle_stack
 from .targets import Target
@@ -83,7 +83,7 @@ class Options:
     heads: str = "auto"
     ffn: int | None = None
     stage_f: str = "auto"
-    max_tflop: float = 100.0
+    max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16

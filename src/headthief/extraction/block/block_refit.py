@@ -24,6 +24,7 @@ from .lbfgs import GAIN, minimize_in_chunks, normalize, normalize_back, pack, un
 
 MAX_ITER = 20000
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
+NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 
 
 def refit_counts(d: int, ffn: int) -> list[int]:
@@ -32,7 +33,6 @@ def refit_counts(d: int, ffn: int) -> list[int]:
     params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
     per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
     return [-(-per // T) for T in REFIT_LENGTHS]
-NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 
 
 def params_of(block) -> dict:

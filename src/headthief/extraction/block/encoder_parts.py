@@ -55,15 +55,11 @@ from .layernorm import OutputLayerNorm, constant_coordinates, fit_output_layerno
 from .on_image import answer_precision
 from .smoothness import THRESHOLD as SMOOTH
 from .smoothness import check_smooth_activation
+from .value_sum import NEWTON, SCALES  # the scalings of token t about its offset, Newton's steps
 
 BASES = 2                # base sequences per position: the Jacobians' stacked null-space equations (2 fix c; a
                          # third cost 2 d queries a position for nothing: all-MiniLM-L6-v2 seed 0, hidden=last,
                          # offsets 5.7e-6 at 2 and 3 bases, 27,721 against 40,119 queries)
-NEWTON = 4               # Newton steps on the scale invariance, at most (measured: 1 - 2 reach the answers' precision)
-SCALES = (2.0, 0.5, 1.5, 1 / 1.5, 3.0, 1 / 3.0, 1.25, 0.8)   # the scalings a of token t about the offset
-                         # that every Newton step asks for: each is one query a base, and the offsets are
-                         # limited by the answers' rounding in them (all-MiniLM-L6-v2 seed 22, hidden=last, 2
-                         # bases: 6.6e-6 with the first two, 3.3e-6 with all eight)
 MEDIAN_FACTOR = 10.0     # the model check's allowance on the median sequence (see extract_encoder_parts)
 RADIUS = 1.0             # base tokens' norm (all-MiniLM-L6-v2's offsets have norm 0.66 - 2.4)
 LAST = ("blocks 1..{L}: with the last layer's hidden states only, no block's input and output are both seen (block L's "

@@ -302,7 +302,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     d = oracle.d
     if ffn is None or int(ffn) < 1:
         raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
-    if _probes(d, int(ffn), stage_f):
+    probes = _probes(d, int(ffn), stage_f)
+    if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
     before = counters(oracle)
@@ -333,9 +334,10 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     q0 = oracle.queries
     vs = value_sum(oracle, rng, precision=eps, scale=scale)
     mark("V", q0)
-    plan = planned(d, int(ffn), probes=_probes(d, int(ffn), stage_f), coarse=eps > COARSE)
+    plan = planned(d, int(ffn), probes=probes, coarse=eps > COARSE)
     if over_limit(plan, max_tflop):
-        raise _stopped_after_v(ln, vs, act.ratio, plan, max_tflop, oracle, before, t0, stages, seconds, kind)
+        raise _stopped_after_v(ln, vs, act.ratio, plan, max_tflop, oracle, before, t0,
+                               _stage_figures(stages, seconds, act.ratio, ln, vs), kind)
     q0 = oracle.queries
     # stage F's steps and its one-token threshold (100 x eps^0.8 sqrt(d)) were validated at a floor of 1e-15
     # (20/20 seeds, docs/block.md); at float64's own 1.1e-16 the threshold sits at the figures it passes
@@ -343,7 +345,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     eps_f = max(eps, 1e-15)
     coarse = eps > COARSE          # float32 (or noisier) answers: the algebra is a start, refitted to answers
     # stage F from full Jacobians, or from probe Jacobians where those need a quarter of the queries or fewer
-    route = extract_ffn_probes if _probes(d, int(ffn), stage_f) else extract_ffn
+    route = extract_ffn_probes if probes else extract_ffn
     part = route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f)
     refit: dict[str, Any] = {}
     if coarse:
@@ -366,10 +368,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = int(oracle.queries - before["queries"])
-    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()},
-            **{f"seconds_stage_{k}": v for k, v in seconds.items()}, "activation_ratio": act.ratio,
-            "ln2_sphere_residual": ln.sphere_residual, "answer_precision": eps,
-            "value_sum_residual": vs.residual, "value_sum_conditioning": vs.conditioning,
+    diag = {**_stage_figures(stages, seconds, act.ratio, ln, vs), "answer_precision": eps,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
@@ -388,8 +387,18 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
 
 
-def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, stages, seconds, kind) -> Exception:
-    """The :class:`ComputeLimit` that ends a run after stage V, with the parts read (:class:`BlockParts`)."""
+def _stage_figures(stages: dict, seconds: dict, ratio: float, ln: OutputLayerNorm, vs: ValueSum) -> dict[str, Any]:
+    """The figures of stages L, activation and V (and every stage's queries and seconds) that a finished run's
+    row and a run stopped after stage V both carry."""
+    return {**{f"queries_stage_{k}": v for k, v in stages.items()},
+            **{f"seconds_stage_{k}": v for k, v in seconds.items()}, "activation_ratio": ratio,
+            "ln2_sphere_residual": ln.sphere_residual, "value_sum_residual": vs.residual,
+            "value_sum_conditioning": vs.conditioning}
+
+
+def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures, kind) -> Exception:
+    """The :class:`ComputeLimit` that ends a run after stage V, with the parts read (:class:`BlockParts`);
+    ``figures``: :func:`_stage_figures`."""
     from ...errors import ComputeLimit
     from .value_sum import CONSISTENCY
     total = sum(plan.values()) / 1e12
@@ -399,10 +408,7 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, stages,
               "is not checked (stages F and A not run)")
     mc = ModelCheck("pass", MODEL, answers=kind.describe(), figure=vs.residual, threshold=CONSISTENCY * vs.expected,
                     detail=detail)
-    diag = {**{f"queries_stage_{k}": v for k, v in stages.items()},
-            **{f"seconds_stage_{k}": v for k, v in seconds.items()}, "activation_ratio": ratio,
-            "ln2_sphere_residual": ln.sphere_residual, "value_sum_residual": vs.residual,
-            "value_sum_conditioning": vs.conditioning, "value_sum_expected": vs.expected, "value_sum_step": vs.step,
+    diag = {**figures, "value_sum_expected": vs.expected, "value_sum_step": vs.step,
             "planned_tflop": total, **{f"planned_tflop_{k.split()[0]}": v / 1e12 for k, v in plan.items()},
             "max_tflop": float(max_tflop), **cost(oracle, before)}
     parts = BlockParts(ln=ln, value=vs, activation_ratio=ratio, plan=dict(plan),
