@@ -446,3 +446,46 @@ def test_a_neuron_profile_seen_over_a_narrow_range_keeps_its_sign(seed):
     alpha, beta, _, res = _profile_fit(xi, rho)
     assert res <= truth_res
     assert alpha < 0
+
+
+def test_top_subspace_is_the_svds_subspace():
+    """``ffn.top_subspace`` (Gram eigenvectors, then one subspace step through L) spans the same top principal
+    subspace as the thin SVD, to rounding, on a spectrum spread over five decades plus noise."""
+    from headthief.extraction.block.ffn import top_subspace
+    rng = np.random.default_rng(5)
+    T, D, r = 300, 120, 40
+    U = np.linalg.qr(rng.standard_normal((T, r)))[0]
+    W = np.linalg.qr(rng.standard_normal((D, r)))[0]
+    L = (U * np.logspace(0, -5, r)) @ W.T + 1e-13 * rng.standard_normal((T, D))
+    Q = top_subspace(L, r)
+    assert np.allclose(Q.T @ Q, np.eye(r), atol=1e-12)
+    S = np.linalg.svd(L, full_matrices=False)[2][:r].T
+    # the distance of either basis from the truth is the noise's over the smallest kept singular value
+    assert np.linalg.norm(W - Q @ (Q.T @ W), 2) <= 2 * np.linalg.norm(W - S @ (S.T @ W), 2) + 1e-12
+    assert np.linalg.norm(S - Q @ (Q.T @ S), 2) <= 1e-6
+
+
+def test_probe_route_from_points_orthogonal_to_the_probes():
+    """From d = 32 the probe route draws its points orthogonal to the probes (p-wide nuisances), iterates the
+    span on them and lifts the inside points against it: every neuron still within 1e-8, exact queries."""
+    from headthief.extraction.block import check_one_token, extract_ffn_probes
+    from headthief.extraction.block.ffn_probes import inside_count, orthogonal_points, probe_count
+    d, ffn, seed = 32, 32, 64
+    p, S = probe_count(d, ffn), inside_count(d, ffn)
+    assert orthogonal_points(d, p) and not orthogonal_points(12, probe_count(12, 24))
+    block = random_block(d, 2, ffn, seed=seed)
+    oracle = ModelOracle(block)
+    rng = np.random.default_rng(seed)
+    ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, 10, d)))))
+    vs = value_sum(oracle, rng, precision=1e-15)
+    before = oracle.queries
+    part = extract_ffn_probes(oracle, ln, vs, np.random.default_rng(seed), ffn=ffn)
+    assert oracle.queries - before == part.info["queries"] == 5 * (ffn + 1) * (4 * p + 1) + 4 * S * (d - 1 - p)
+    assert part.info["span_iterations"] < 300                            # settled by Anderson, no polish
+    P = np.eye(d) - 1.0 / d
+    W1m = block.W1 @ np.diag(block.ln1_gamma) @ P
+    for k in range(ffn):
+        j = int(np.argmin(np.linalg.norm(W1m - part.W1m[k], axis=1)))
+        assert np.linalg.norm(part.W1m[k] - W1m[j]) <= 1e-8 * np.linalg.norm(W1m[j])
+    chk = check_one_token(oracle, part, ln, vs, np.random.default_rng(seed + 1))
+    assert chk["fidelity"] <= chk["threshold"] and chk["fidelity"] <= 1e-9

@@ -8,12 +8,16 @@ going on for days.
 
 Counted (a multiply-add is two operations; the leading terms of the code's own loops):
 
-* **F, span** (:func:`.ffn.span`): ``SPAN_STEPS`` steps (measured 40 - 130 with Anderson mixing) over
-  ``T = max(5 (ffn + 1), 2 d)`` points. Probe route (:mod:`.ffn_probes`, ``p`` probes, the span in
-  ``D = d p`` dimensions, rank ``r = ffn + 1``, a point's nuisance of width ``w = p + d - 1``): per point the
-  nuisance against the span (``4 d p r``), its normal matrix (``2 w^2 r``) and pseudo-inverse (``10 w^3``), and
-  the lifted matrices' SVD; full route: per point the nuisance basis against the span (``8 d^3 r``) and a
-  least squares of ``d^2 x 2 d`` (``8 d^4``), and the SVD.
+* **F, span** (:func:`.ffn.span`): ``SPAN_STEPS`` steps (measured 40 - 130 with Anderson mixing as first built;
+  30 - 64 since the probe route iterates on its points orthogonal to the probes, d = 32 and 64) over
+  ``T = max(5 (ffn + 1), 2 d)`` points. Probe route (:mod:`.ffn_probes`, ``p`` probes, the span in ``D = d p``
+  dimensions, rank ``r = ffn + 1``): per point orthogonal to the probes its p-wide nuisance against the span
+  (``4 d p r + 2 p^2 r + 2 D r``), and the span's top subspace (:func:`.ffn.top_subspace`: the Gram matrix
+  ``2 T D^2``, its eigenvectors ``4 D^3``, one subspace step ``4 T D r + 4 D r^2``). As first built every
+  point carried a ``(p + d - 1)``-wide nuisance, and a thin SVD took the subspace: 10.3 TFLOP a step at
+  MiniLM's size against 1.2 now (measured: 641 s against 28.6 s on one core, ``benchmarks/bench_span_step.py``).
+  Full route: per point the nuisance basis against the span (``8 d^3 r``) and a least squares of
+  ``d^2 x 2 d`` (``8 d^4``), and the SVD.
 * **F+, one-token refit** (coarse answers, :mod:`.one_token_refit`): ``REFIT_ITERATIONS`` L-BFGS iterations
   (the most measured: 4,500), each a forward and backward pass (3 forward's operations) over its random tokens,
   ``2 d^2 + 4 d ffn`` a forward.
@@ -28,7 +32,8 @@ the budget bounds) and stage A's alternating least squares (seconds at d = 32).
 
 from __future__ import annotations
 
-SPAN_STEPS = 100          # Anderson-mixed span steps (measured 40 - 130 at d = 16, 32, 64)
+SPAN_STEPS = 100          # Anderson-mixed span steps (measured 40 - 130 at d = 16, 32, 64 as first built; 30 - 64 on
+                          # the probe route's orthogonal points, d = 32 and 64: kept at 100, not measured at d = 384)
 REFIT_ITERATIONS = 4500   # L-BFGS iterations of either refit (the most measured, d = 16 and 32, float32)
 MAX_TFLOP = 100.0         # the default limit (--max-tflop): hours at most on a 2-core machine
 
@@ -42,14 +47,20 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
     """Floating-point operations of the stages after V (module docstring), by stage: ``F span``,
     ``F+ one-token refit`` and ``R block refit`` (coarse answers only), ``A pull-backs``."""
     from .block_refit import REFIT_LENGTHS, refit_counts
-    from .ffn_probes import probe_count
+    from .ffn_probes import inside_count, orthogonal_points, probe_count
     from .one_token_refit import random_queries
     T = max(5 * (ffn + 1), 2 * d)
     r = ffn + 1
     if probes:
-        p = probe_count(d, ffn)
+        p, S = probe_count(d, ffn), inside_count(d, ffn)
         D, w = d * p, p + d - 1
-        step = T * (4.0 * d * p * r + 2.0 * w * w * r + 10.0 * w ** 3) + _svd(T, D)
+        # the points orthogonal to the probes (p-wide nuisance) in the iteration, top_subspace's Gram, eigh and
+        # subspace step; the S inside points (wide nuisance) lifted once at the end, not counted a step
+        top = 2.0 * T * D * D + 4.0 * D ** 3 + 4.0 * T * D * r + 4.0 * D * r * r
+        if orthogonal_points(d, p):
+            step = (T - S) * (4.0 * d * p * r + 2.0 * p * p * r + 2.0 * D * r) + top
+        else:                                                       # small d: every point's nuisance wide
+            step = T * (4.0 * d * p * r + 2.0 * w * w * r + 10.0 * w ** 3) + top
     else:
         step = T * (8.0 * d ** 3 * r + 8.0 * d ** 4) + _svd(T, d * d)
     out = {"F span": SPAN_STEPS * step}

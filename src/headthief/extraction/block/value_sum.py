@@ -6,27 +6,34 @@ For one token the block's attention is affine: ``pre(x) = x + W_O attn(x) + b_O 
 sequence of N equal tokens every head's weights are uniform and sum to one, so the Jacobian of the answer
 at position i with respect to token j is ``J_Phi (delta_ij I + (B - I) / N)``. With N = 2:
 
-    J_self - J_cross = J_Phi = J_Psi B^{-1}.
+    J_self - J_cross = J_Phi,    J_Psi = J_Phi B.
 
 ``J_Psi`` and ``J_self``, ``J_cross`` are measured by finite differences (a five-point stencil: d-vectors
-of answers, 4 d one-token and 4 d two-token queries per base token). ``J_Psi`` has rank d - 2: LN1 makes
-``Psi`` blind to ``B^{-1} 1`` (a shift of pre along the ones) and to ``x + B^{-1} b`` (a scale of pre), so
-one base token fixes ``B^{-1}`` only off a two-dimensional null space; the null spaces of a few base tokens
-differ in ``x + B^{-1} b`` and share ``c1 = B^{-1} 1``, so their least-squares union fixes ``B^{-1}`` up
-to ``c1 q^T``, i.e. ``B`` up to ``1 r^T``: exactly LN1's symmetry (a ones-vector added to pre). The union is
-solved stacked (``[J_Psi,k] B^{-1} = [J_self,k - J_cross,k]``), so a direction one base token nearly ignores
-is read from the others: on MiniLM block 2 one base's smallest of d - 2 singular values is 2e-7 - 4e-5 of its
-largest, six stacked 6.5e-4 - 8e-4 (measured).
+of answers, 4 d one-token and 4 d two-token queries per base token). ``J_Phi`` has rank d - 2: LN1 makes
+``Phi`` blind to the ones-vector (a shift of pre) and to pre itself (its scale), so one base token fixes
+``B`` only off a two-dimensional null space; the base tokens' pre vectors differ and their null spaces share
+only the ones-vector, so their least-squares union fixes ``B`` up to ``1 r^T``: exactly LN1's symmetry (a
+ones-vector added to pre). The union is solved stacked, ``[J_self,k - J_cross,k] B = [J_Psi,k]``, for ``B``
+itself: its conditioning is that of the stacked ``J_Phi`` (LN1, the FFN, LN2), not of ``B``. Solving for
+``B^{-1}`` instead (``[J_Psi,k] B^{-1} = [J_Phi,k]``, as this stage was first built) inherits ``B``'s own
+conditioning, and the real value-output maps are nearly singular: ``P B``'s smallest of d - 1 singular values
+is 1.8e-4 of its largest in all-MiniLM-L6-v2's block 1 and 3.3e-4 in block 3, so that solve refused both
+in float32 (stacked conditioning 6.9e-5 and 1.7e-4 against 30x the stencil's error) while ``J_Phi`` stacked
+is conditioned at 4.5e-2 - 8.1e-2 there (measured, six base tokens). ``b`` comes the same way:
+``J_Phi,k (B x_k + b) = 0`` (pre at base k lies in J_Phi's null space), stacked.
 
 For coarse (float32) answers the stencil's step is measured (:func:`measured_step`), not set by the rule
 ``eps^0.2`` that assumes curvature on the tokens' own scale: MiniLM block 2's one-token map is smooth on a
 larger scale, and its step came out 8 - 16x the rule's, with derivatives 11 - 13x more precise. Six base
 tokens instead of three, and ``c0`` (hence b) refined by Newton on the exact scale invariance
-(:func:`scale_newton`). MiniLM block 2 in float32 (seeds 10 - 14): ``P B`` within 9.4e-6 - 1.7e-5 and ``P b``
+(:func:`scale_newton`) where ``|c0|`` is at most the base tokens' norm: after it ``b = B c0`` carries B's error
+times ``|c0|``, so where c0 is longer (MiniLM blocks 1 and 3: 5.3x and 2.1x; a random d = 32 block: 1.5x) the
+Newton made b worse (MiniLM block 1: 4.4e-5 to 1.6e-4) and the stacked equations' b is kept. MiniLM block 2
+in float32, as first built (seeds 10 - 14): ``P B`` within 9.4e-6 - 1.7e-5 and ``P b``
 within 1.2e-5 - 2.1e-5 relative (``max |P B|``; 4.2e-5 - 8.3e-5 before the Newton), 18,902 queries, 6 s; the
 per-base solve with the rule's step refused it.
-The null spaces also give ``c0 = B^{-1} b`` (``x_t + c0`` lies in the null space at ``x_t``), hence
-``b = B c0`` up to the ones-vector.
+With ``b`` and ``B``: ``c0 = B^{-1} b`` (modulo the ones direction ``c1 = B^{-1} 1``), which sets pre to
+any vector for the later stages.
 
 What this stage recovers, and how it is compared: ``P B`` and ``P b`` with ``P = I - 1 1^T / d``
 (the ones-component is LN1's to ignore), exact up to the finite differences' truncation and the answers'
@@ -45,7 +52,7 @@ from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 
-BASES = 3              # base tokens (at least 2 to fix B^{-1} off the ones direction)
+BASES = 3              # base tokens (at least 2 to fix B off the ones direction)
 COARSE_BASES = 6       # for coarse answers: each base adds the directions it sees well (MiniLM block 2: B's error
                        # 7.5e-5 from 3 bases, 3.9e-5 from 6, 2.5e-5 from 12, at one step)
 LADDER = 2.0 ** np.arange(-3, 7)   # coarse answers: the steps tried, times the rule's eps^0.2 step
@@ -58,7 +65,7 @@ SCALES = (2.0, 0.5, 1.5, 1 / 1.5, 3.0, 1 / 3.0, 1.25, 0.8)   # Newton on a scale
 NEWTON = 4             # its steps, at most (measured: 1 - 3 reach the answers' precision)
 STENCIL = (-2, -1, 1, 2)
 WEIGHTS = np.array([1.0, -8.0, 8.0, -1.0]) / 12.0
-RANK_MARGIN = 30      # the stacked J_Psi's smallest of d - 1 singular values must stand this far above the stencil's error
+RANK_MARGIN = 30      # the stacked J_Phi's smallest of d - 1 singular values must stand this far above the stencil's error
 CONSISTENCY = 1e3      # the union's residual may exceed the stencil's expected error by this before it is a mismatch
 COARSE = 1e-12         # answers coarser than this (float32: 6e-8) are "coarse": the block method's algebra is
                        # then a start, refitted to answers (one_token_refit, block_refit); float64 is finer
@@ -75,7 +82,7 @@ class ValueSum:
     c0: np.ndarray
     c1: np.ndarray
     residual: float        # relative residual of the stacked Jacobian equations (model check)
-    conditioning: float    # the stacked J_Psi's smallest of d - 1 singular values over the largest
+    conditioning: float    # the stacked J_Phi's (J_self - J_cross) smallest of d - 1 singular values over the largest
     expected: float        # the stencil's expected relative error at this step and precision
     step: float
     queries: int
@@ -181,13 +188,15 @@ def measured_step(oracle: Oracle, x: np.ndarray, rng: np.random.Generator, h0: f
 
 
 def scale_newton(oracle: Oracle, xs: list, Js: list, c0: np.ndarray, c1: np.ndarray,
-                 steps: int = NEWTON) -> tuple[np.ndarray, int]:
+                 steps: int = NEWTON, through: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """``c0 = B^{-1} b`` refined on an exact invariance, for coarse answers. A one-token answer depends on x
     only through LN1's input direction, ``P B (x + c0)`` normalised, so it does not move when x is scaled about
     ``-c0``: with c0 off by e, the twin ``a (x + c0) - c0`` answers ``Psi(x) + ((a - 1) / a) J_Psi(x) e`` to first
     order. Newton on the twins' answers at the base tokens ``xs`` (their Jacobians ``Js`` from stage V) and the
     ``SCALES`` reads e at the answers' own precision, not a finite difference's (as the encoder's offsets are
-    read, :mod:`.encoder_parts`); c0 stays orthogonal to c1 (the ones-shift of pre, LN1's symmetry). Steps go
+    read, :mod:`.encoder_parts`). With ``through`` (a d x d map) the ``Js`` are Jacobians in pre's coordinates
+    (``J_Phi``, stage V's stacked equations) and the correction found there is mapped to x by ``through``
+    (``B^{-1}``), so a nearly singular B does not enter the normal equations. c0 stays orthogonal to c1 (the ones-shift of pre, LN1's symmetry). Steps go
     on while the twins' disagreement halves, at most ``steps``. Under an input-norm bound only the scalings
     whose twins stay inside it are asked (none asked, c0 kept, where fewer than two do). Returns ``(c0,
     queries)``. Measured: from a
@@ -217,7 +226,7 @@ def scale_newton(oracle: Oracle, xs: list, Js: list, c0: np.ndarray, c1: np.ndar
             break
         rhs = sum(J.T @ (w @ (Y[k] - base[k])) for k, J in enumerate(Js))
         e = np.linalg.lstsq(GN, rhs, rcond=None)[0]
-        c0 = c0 - e
+        c0 = c0 - (e if through is None else through @ e)
         c0 = c0 - c1 * (c1 @ c0)
     return best_c, q
 
@@ -228,9 +237,9 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     output LayerNorm fit's sphere residual); ``scale`` the base tokens' norm (default sqrt(d)); ``bases``
     the base tokens (default ``BASES``, ``COARSE_BASES`` for coarse answers).
 
-    The base tokens' equations ``J_Psi,k B^{-1} = J_self,k - J_cross,k`` are solved stacked, by least
-    squares: one base's ``J_Psi`` can be nearly blind to a direction another base sees well (MiniLM block 2:
-    one base's smallest of d - 2 singular values 2e-7 - 4e-5 of the largest, six stacked 6.5e-4). For coarse
+    The base tokens' equations ``(J_self,k - J_cross,k) B = J_Psi,k`` are solved stacked, for B, by least
+    squares: their conditioning is the stacked ``J_Phi``'s (MiniLM blocks 0 - 4 in float32: 4.2e-2 - 1.7e-1),
+    not B's (module docstring). For coarse
     answers the stencil's step is measured (:func:`measured_step`) rather than set by the rule
     ``eps^0.2`` (which assumes curvature on the tokens' own scale), and so is its error."""
     if not oracle.output.vector:
@@ -264,34 +273,34 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         Js.append(J_psi)
         xs.append(x)
         Ds.append(J_self - J_cross)
-        nrhs.append(-J_psi @ x)                         # x + c0 lies in J_Psi's null space (the scale of pre)
+        nrhs.append(-J_psi @ x)                         # J_Phi (B x + b) = J_Psi x + J_Phi b = 0 (the scale of pre)
     A = np.vstack(Js)
     R = np.vstack(Ds)
-    Sa = np.linalg.svd(A, compute_uv=False)
-    cond = float(Sa[d - 2] / Sa[0])
+    Sr = np.linalg.svd(R, compute_uv=False)
+    cond = float(Sr[d - 2] / Sr[0])
     if cond <= RANK_MARGIN * expected:
         raise NotIdentifiable(
-            f"the one-token Jacobians at {bases} base tokens, stacked, have their smallest of d - 1 singular values at "
-            f"{cond:.3g} of the largest, not {RANK_MARGIN}x above the finite differences' error ({expected:.2g}): at "
-            "this answer precision the value-output map is not determined by one-token Jacobians (a direction the "
-            "block nearly ignores)")
-    Xinv, *_ = np.linalg.lstsq(A, R, rcond=None)        # B^{-1} - c1 (c1^T B^{-1}) (min norm)
-    res = float(np.linalg.norm(A @ Xinv - R) / max(np.linalg.norm(R), 1e-300))
-    c1 = np.linalg.svd(A, full_matrices=True)[2][-1]
-    c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
+            f"the Jacobians J_self - J_cross at {bases} base tokens, stacked, have their smallest of d - 1 singular values "
+            f"at {cond:.3g} of the largest, not {RANK_MARGIN}x above the finite differences' error ({expected:.2g}): at "
+            "this answer precision the value-output map is not determined by them (a direction LN1 and the FFN nearly "
+            "ignore)")
+    PB = centre(np.linalg.lstsq(R, A, rcond=None)[0])     # R's null space is the ones-vector: B modulo 1 r^T
+    res = float(np.linalg.norm(R @ PB - A) / max(np.linalg.norm(A), 1e-300))
     if res > CONSISTENCY * expected:
         raise ModelMismatch(
             f"the Jacobians at {bases} base tokens are not J_Phi (delta_ij I + (B - I)/2) for one value-output map B "
             f"(relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): this target is not one "
             "post-LN block (two blocks? positions inside the block?)", check="value-sum", figure=res,
             threshold=CONSISTENCY * expected)
-    X = Xinv + np.outer(c1, np.ones(d)) * (np.linalg.norm(Xinv, 2) / np.sqrt(d))
-    B = np.linalg.inv(X)
-    c0, *_ = np.linalg.lstsq(A, np.concatenate(nrhs), rcond=None)
+    c1 = np.linalg.svd(PB)[2][-1]                         # along B^{-1} 1: P B's one null direction
+    c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
+    Bfull = PB + np.outer(np.ones(d), c1) * (np.linalg.norm(PB, 2) / np.sqrt(d))
+    X = np.linalg.inv(Bfull)                              # B^{-1} (I + 1 q^T) for some q
+    Pb = centre(np.linalg.lstsq(R, np.concatenate(nrhs), rcond=None)[0])   # J_Phi,k (B x_k + b) = 0
+    c0 = X @ Pb
     c0 = c0 - c1 * (c1 @ c0)
-    if coarse:
-        c0, qq = scale_newton(oracle, xs, Js, c0, c1)
+    if coarse and np.linalg.norm(c0) <= max(np.linalg.norm(x) for x in xs):
+        c0, qq = scale_newton(oracle, xs, Ds, c0, c1, through=X)
         q += qq
-    return ValueSum(B=centre(B), b=centre(B @ c0), Binv=X, c0=c0, c1=c1, residual=res, conditioning=cond,
-                    expected=float(expected), step=float(h),
-                    queries=q)
+    return ValueSum(B=PB, b=centre(Bfull @ c0), Binv=X, c0=c0, c1=c1, residual=res, conditioning=cond,
+                    expected=float(expected), step=float(h), queries=q)
