@@ -1,0 +1,83 @@
+"""Stages L, V and F (the probe route) on a real all-MiniLM-L6-v2 block (d = 384, FFN 1536), against the
+checkpoint's weights: what ``--method block`` reads of LN1 and the GELU FFN at MiniLM's size, stage by stage,
+before any refit. ``--dtype float64`` evaluates the float32 weights in float64 (the block's twin: the
+algebra's own precision); ``float32`` is the block as the model runs it.
+
+    .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float64
+    .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32
+
+Prints the span's progress, then per part the relative error modulo the block's symmetries (docs/block.md):
+LN1's gamma (global scale), every neuron's input row ``W_1 Gamma_1 P`` (matched to the nearest true neuron;
+median and worst), its bias ``W_1 beta_1 + b_1`` and output column ``P W_2`` (times the scale), the one-token
+fidelity on fresh tokens (:func:`headthief.extraction.block.check_one_token`), queries and minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from headthief.errors import HeadthiefError
+from headthief.extraction.block import check_one_token, extract_ffn_probes, fit_output_layernorm, value_sum
+from headthief.models.bert_block import from_minilm
+from headthief.oracles.base import ModelOracle
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument("--dtype", default="float64", choices=("float32", "float64"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    block = from_minilm(args.layer, dtype=np.float32 if args.dtype == "float32" else np.float64)
+    truth = from_minilm(args.layer, dtype=np.float64)
+    d, ffn = block.d, block.ffn
+    oracle = ModelOracle(block)
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
+    eps = max(float(ln.sphere_residual), 1e-15)
+    vs = value_sum(oracle, rng, precision=eps)
+    print(f"stages L, V: {oracle.queries} queries, {time.perf_counter() - t0:.0f} s (answers' precision {eps:.2g})",
+          flush=True)
+
+    def progress(it, res):
+        if it % 5 == 0 or it == 1:
+            print(f"  span step {it}: residual {res:.3g}, {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+
+    try:
+        part = extract_ffn_probes(oracle, ln, vs, rng, ffn=ffn, precision=eps, progress=progress)
+    except HeadthiefError as e:
+        print(f"stage F: {type(e).__name__}: {e}")
+        sys.exit(1)
+    minutes = (time.perf_counter() - t0) / 60
+    P = np.eye(d) - 1.0 / d
+    s = float(np.mean(part.gamma / truth.ln1_gamma))
+    W1m = truth.W1 @ np.diag(truth.ln1_gamma) @ P
+    b1m = truth.W1 @ truth.ln1_beta + truth.b1
+    rows, b1e, w2e = [], [], []
+    for k in range(ffn):
+        j = int(np.argmin(np.linalg.norm(W1m - part.W1m[k], axis=1)))
+        rows.append(float(np.linalg.norm(part.W1m[k] - W1m[j]) / np.linalg.norm(W1m[j])))
+        b1e.append(abs(part.b1m[k] - b1m[j]) / (1 + abs(b1m[j])))
+        w2e.append(float(np.linalg.norm(P @ part.W2[:, k] - s * P @ truth.W2[:, j]) / np.linalg.norm(s * P @ truth.W2[:, j])))
+    try:
+        chk = check_one_token(oracle, part, ln, vs, rng)
+        fid, verdict = chk["fidelity"], f"pass (threshold {chk['threshold']:.2g})"
+    except HeadthiefError as e:
+        fid, verdict = getattr(e, "figure", float("nan")), f"{type(e).__name__} (threshold {getattr(e, 'threshold', 0):.2g})"
+    print(f"MiniLM block {args.layer}, {args.dtype}: span {part.info['span_iterations']} steps, "
+          f"{part.info['starts']} rank-one starts")
+    print(f"  gamma_1 {np.max(np.abs(part.gamma - s * truth.ln1_gamma)) / np.max(np.abs(s * truth.ln1_gamma)):.2e}")
+    print(f"  W_1 rows: median {np.median(rows):.2e}, worst {max(rows):.2e}")
+    print(f"  biases: median {np.median(b1e):.2e}, worst {max(b1e):.2e};  W_2 columns: median {np.median(w2e):.2e}, "
+          f"worst {max(w2e):.2e}")
+    print(f"  one-token fidelity {fid:.3g}: {verdict}")
+    print(f"  {oracle.queries} queries, {minutes:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
