@@ -489,3 +489,19 @@ def test_probe_route_from_points_orthogonal_to_the_probes():
         assert np.linalg.norm(part.W1m[k] - W1m[j]) <= 1e-8 * np.linalg.norm(W1m[j])
     chk = check_one_token(oracle, part, ln, vs, np.random.default_rng(seed + 1))
     assert chk["fidelity"] <= chk["threshold"] and chk["fidelity"] <= 1e-9
+
+
+def test_heads_polish_inner_step_by_conjugate_gradients_equals_the_dense_solve():
+    """Stage A's polish solves its Q step by preconditioned CG beyond ``DENSE_INNER`` unknowns (the dense normal
+    matrix is d^2 x d^2: 174 GB at MiniLM's size); on a system small enough for both, the same solution."""
+    from headthief.extraction.block import heads as hm
+    rng = np.random.default_rng(8)
+    d, H = 24, 4
+    r, k = d // H, 2 * d + 1
+    dirs = np.vstack([rng.standard_normal(d), np.eye(d), rng.standard_normal(d) + np.eye(d)])
+    P = rng.standard_normal((H, d, r))
+    V = rng.standard_normal((k, H, d + 1))
+    F = rng.standard_normal((k, d, d + 1))
+    assert H * d * r <= hm.DENSE_INNER
+    dense, cg = hm._inner(F, dirs, P, V), hm._inner_cg(F, dirs, P, V)
+    assert np.linalg.norm(cg - dense) <= 1e-10 * np.linalg.norm(dense)

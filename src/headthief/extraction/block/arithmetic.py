@@ -24,10 +24,14 @@ Counted (a multiply-add is two operations; the leading terms of the code's own l
 * **R, block refit** (coarse answers, :mod:`.block_refit`): the same over its sequences' positions,
   ``8 d^2 + 4 d ffn + 4 L d`` a position's forward in a sequence of L tokens.
 * **A, pull-backs** (:mod:`.heads`): a d x d product per read, 3 step sizes x (2 d + 8) bases x (2 d + 1)
-  directions.
+  directions, and the reads' affine fits (one least squares of ``(P - d - 1) d x P`` rows and columns, P = 2 d + 8
+  bases, for all reads at once).
+* **A, polish** (:func:`.heads._polish`): ``POLISH_SWEEPS`` sweeps, each two products of the reads against the
+  factors (``10 K d^2 (d + 1)``, K = 2 d + 1 reads) and two Q steps by conjugate gradients (``POLISH_CG`` steps of
+  ``12 K d^2``).
 
 Not counted: the target's own evaluation of the queries (the oracle's side; its cost is the queries, which
-the budget bounds) and stage A's alternating least squares (seconds at d = 32).
+the budget bounds).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from __future__ import annotations
 SPAN_STEPS = 100          # Anderson-mixed span steps (measured 40 - 130 at d = 16, 32, 64 as first built; 30 - 64 on
                           # the probe route's orthogonal points, d = 32 and 64: kept at 100, not measured at d = 384)
 REFIT_ITERATIONS = 4500   # L-BFGS iterations of either refit (the most measured, d = 16 and 32, float32)
+POLISH_SWEEPS = 150       # stage A's alternating least squares sweeps (measured: 122 at d = 64, float64)
+POLISH_CG = 30            # conjugate-gradient steps of its Q step beyond d = 45 (heads._inner_cg; assumed)
 MAX_TFLOP = 100.0         # the default limit (--max-tflop): hours at most on a 2-core machine
 
 
@@ -70,7 +76,9 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
         positions = sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
                         for L, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)))
         out["R block refit"] = REFIT_ITERATIONS * (positions + one * random_queries(d, ffn))
-    out["A pull-backs"] = 3.0 * (2 * d + 8) * (2 * d + 1) * 2.0 * d * d
+    Pn, K = 2 * d + 8, 2 * d + 1
+    out["A pull-backs"] = 3.0 * Pn * K * 2.0 * d * d + 4.0 * (Pn - d - 1) * d * Pn * (Pn + K)
+    out["A polish"] = POLISH_SWEEPS * (10.0 * K * d * d * (d + 1) + POLISH_CG * 12.0 * K * d * d)
     return out
 
 
@@ -84,4 +92,5 @@ def over_limit(plan: dict[str, float], max_tflop: float) -> bool:
     return sum(plan.values()) > float(max_tflop) * 1e12
 
 
-__all__ = ["MAX_TFLOP", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit", "planned"]
+__all__ = ["MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit",
+           "planned"]

@@ -409,7 +409,8 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures
     mc = ModelCheck("pass", MODEL, answers=kind.describe(), figure=vs.residual, threshold=CONSISTENCY * vs.expected,
                     detail=detail)
     diag = {**figures, "value_sum_expected": vs.expected, "value_sum_step": vs.step,
-            "planned_tflop": total, **{f"planned_tflop_{k.split()[0]}": v / 1e12 for k, v in plan.items()},
+            "planned_tflop": total, **{f"planned_tflop_{k.replace(' ', '_').replace('+', 'plus').replace('-', '_')}":
+                                       v / 1e12 for k, v in plan.items()},
             "max_tflop": float(max_tflop), **cost(oracle, before)}
     parts = BlockParts(ln=ln, value=vs, activation_ratio=ratio, plan=dict(plan),
                        queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
