@@ -415,18 +415,24 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     starts, with the span right to 5e-11)."""
     max_starts = max_starts or 40 * count + 200
     K = Q.shape[1]
-    Qr = Q.reshape(d, cols, K)
+    Qr = Q.reshape(d, cols * K)
     found: list[tuple[np.ndarray, np.ndarray]] = []
-    off: list = [0, None]                                 # found neurons' orthonormal coordinates, and how many
+    basis = np.zeros((K, 0))                               # found neurons' coordinates, orthonormalised
 
     def fresh(k):
+        nonlocal basis
+        for u, v in found[basis.shape[1]:]:                # Gram-Schmidt (twice) for the ones found since
+            f = v @ (u @ Qr).reshape(cols, K)
+            for _ in range(2):
+                f = f - basis @ (basis.T @ f)
+            if np.linalg.norm(f) > 1e-8:
+                basis = np.hstack([basis, (f / np.linalg.norm(f))[:, None]])
+            else:
+                basis = np.hstack([basis, np.zeros((K, 1))])
         C = rng.standard_normal((k, K))
         if found and len(found) < K:
-            if off[0] != len(found):
-                F = np.stack([np.einsum("i,j,ijc->c", u, v, Qr) for u, v in found], axis=1)
-                off[:] = [len(found), np.linalg.qr(F)[0]]
             h = k // 2
-            C[:h] -= (C[:h] @ off[1]) @ off[1].T
+            C[:h] -= (C[:h] @ basis) @ basis.T
         return C / np.linalg.norm(C, axis=1, keepdims=True)
 
     C = fresh(min(batch, max_starts))
