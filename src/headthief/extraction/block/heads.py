@@ -217,6 +217,11 @@ DENSE_INNER = 2048       # _inner's normal matrix (H d r = d^2 unknowns) is form
 INNER_CG = 500           # unknowns; beyond, conjugate gradients (at most this many iterations)
 
 
+def _inner_rhs(F, dirs, P, V) -> np.ndarray:
+    """:func:`_inner`'s right-hand side, (H, r, d): ``sum_k P_h^T F_k v_hk e_k^T`` for every head."""
+    return np.stack([(np.einsum("kab,kb->ka", F, V[:, h]) @ P[h]).T @ dirs for h in range(P.shape[0])])
+
+
 def _inner(F, dirs, P, V) -> np.ndarray:
     """Least squares for Q in ``F_k = sum_h P_h Q_h^T e_k v_hk^T`` (v_hk the rows of V[k]) over every read:
     normal equations ``Omega_hg (x) P_h^T P_g`` with ``Omega_hg = sum_k (v_hk . v_gk) e_k e_k^T``. They have
@@ -234,8 +239,7 @@ def _inner(F, dirs, P, V) -> np.ndarray:
             blk = np.kron(Om, P[h].T @ P[g])
             G[h, :, g, :] = blk
             G[g, :, h, :] = blk.T
-    for h in range(H):
-        Xh = (np.einsum("kab,kb->ka", F, V[:, h]) @ P[h]).T @ dirs          # (r, d): sum_k P_h^T F_k v_hk e_k^T
+    for h, Xh in enumerate(_inner_rhs(F, dirs, P, V)):
         rhs[h] = Xh.reshape(-1, order="F")
     sol = np.linalg.solve(G.reshape(H * d * r, H * d * r), rhs.reshape(-1)).reshape(H, d * r)
     return np.stack([sol[h].reshape(r, d, order="F").T for h in range(H)])        # Q_h: (d, r)
@@ -251,7 +255,7 @@ def _inner_cg(F, dirs, P, V, *, tol: float = 1e-14) -> np.ndarray:
     H, d, r = P.shape[0], dirs.shape[1], P.shape[2]
     M = np.einsum("hdr,gds->hgrs", P, P)                                   # P_h^T P_g
     Wv = np.einsum("khm,kgm->khg", V, V)                                  # v_hk . v_gk
-    rhs = np.stack([(np.einsum("kab,kb->ka", F, V[:, h]) @ P[h]).T @ dirs for h in range(H)])   # (H, r, d)
+    rhs = _inner_rhs(F, dirs, P, V)
     Minv = np.stack([np.linalg.inv(M[h, h]) for h in range(H)])
     Oinv = np.stack([np.linalg.inv((dirs * Wv[:, h, h][:, None]).T @ dirs) for h in range(H)])
 
