@@ -39,7 +39,11 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=2)
     ap.add_argument("--dtype", default="float64", choices=("float32", "float64"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", default=None, help="pickle the recovered parts (ln, vs, part, precision, queries) "
+                    "here, for benchmarks/bench_minilm_refit.py")
     args = ap.parse_args()
+    if args.save is not None:
+        open(args.save, "ab").close()                   # the output path checked before the first query
     block = from_minilm(args.layer, dtype=np.float32 if args.dtype == "float32" else np.float64)
     truth = from_minilm(args.layer, dtype=np.float64)
     d, ffn = block.d, block.ffn
@@ -62,6 +66,11 @@ def main() -> None:
         print(f"stage F: {type(e).__name__}: {e}")
         sys.exit(1)
     minutes = (time.perf_counter() - t0) / 60
+    if args.save is not None:
+        import pickle
+        with open(args.save, "wb") as fh:
+            pickle.dump({"layer": args.layer, "dtype": args.dtype, "ln": ln, "vs": vs, "part": part, "precision": eps,
+                         "queries": oracle.queries, "minutes": minutes}, fh)
     P = np.eye(d) - 1.0 / d
     s = float(np.mean(part.gamma / truth.ln1_gamma))
     W1m = truth.W1 @ np.diag(truth.ln1_gamma) @ P

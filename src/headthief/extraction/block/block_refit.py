@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import GAIN, minimize_in_chunks, normalize, normalize_back, pack, unpack
+from .lbfgs import GAIN, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs, unpack
 
 MAX_ITER = 20000
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
@@ -110,12 +110,15 @@ def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = 
     return L, pack(grads, shapes)
 
 
-def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN):
+def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
+                rng: np.random.Generator | None = None, scaled: bool = True):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
-    chunks' stopping rule (:func:`.lbfgs.minimize_in_chunks`). :class:`ConvergenceError` if the fit cannot
-    improve."""
+    chunks' stopping rule (:func:`.lbfgs.minimize_in_chunks`), run in coordinates scaled by the Gauss-Newton
+    diagonal (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
+    ``scaled=False``: in the parameters themselves, as first built). :class:`ConvergenceError` if the fit
+    cannot improve."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     start = params_of(block)
     shapes = {k: np.shape(start[k]) for k in NAMES if k in free}
@@ -123,7 +126,10 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
-    L0, _ = loss_and_grad(theta, shapes, groups, fixed)
+    L0, G0 = loss_and_grad(theta, shapes, groups, fixed)
+    rng = np.random.default_rng(0) if rng is None else rng
+    scale = diagonal_scale(lambda: loss_and_grad(theta, shapes, [(X, Y - signs(rng, Y.shape)) for X, Y in groups],
+                                                 fixed)[1] - G0) if scaled else None
     calls = [0]
 
     def fun(th):
@@ -133,7 +139,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain)
+    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale)
     before = float(np.sqrt(2 * L0 / count) / rms)
     after = float(np.sqrt(2 * L1 / count) / rms)
     if not np.isfinite(L1) or L1 >= L0:

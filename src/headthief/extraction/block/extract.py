@@ -360,7 +360,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     if coarse:
         q0 = oracle.queries
         groups = [(ones[0][:, None, :], ones[1][:, None, :])] + _refit_sequences(oracle, rng, scale, block)
-        block, brefit = refit_block(block, groups)
+        block, brefit = refit_block(block, groups, rng=rng)
         refit.update(brefit)
         ln, vs, part, att = parts_of(block, ln, vs, part, att)
         mark("R", q0)

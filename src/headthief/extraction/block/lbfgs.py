@@ -1,5 +1,15 @@
 """What the block's two refits share: LayerNorm's normalisation with its exact backward pass, packing named
-parameters into one vector, and L-BFGS run in chunks until a chunk stops paying."""
+parameters into one vector, and L-BFGS run in chunks until a chunk stops paying, in coordinates scaled by the
+Gauss-Newton diagonal (:func:`diagonal_scale`).
+
+The scaling: the refits' parameters differ in scale and in how strongly the answers see them (an FFN row
+against LN2's gamma, a head's Q against its V), and L-BFGS from a near start spends most of its iterations
+on that spread. Run in ``z = s * theta`` with ``s_i = sqrt((J^T J)_ii)`` (J the residuals' Jacobian), the
+diagonal of the Gauss-Newton matrix is one. It is estimated by Hutchinson's rule, ``(J^T J)_ii = E[(J^T
+w)_i^2]`` over random signs w, from ``PROBES`` gradients: ``J^T w`` is the loss's gradient with the answers
+moved by ``-w`` minus its gradient at the answers. Measured on float32 blocks' refits from their algebraic
+starts (``benchmarks/bench_refit_scaling.py``): the iterations to the answers' floor fall 2 - 3x (docs/block.md,
+"Refits in scaled coordinates")."""
 
 from __future__ import annotations
 
@@ -8,6 +18,8 @@ import numpy as np
 CHUNK = 500            # L-BFGS iterations per chunk
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
+PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)
+FLOOR = 1e-8           # a coordinate's scale at least this times the largest (directions no answer sees)
 
 
 def normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -38,13 +50,41 @@ def unpack(theta: np.ndarray, shapes: dict) -> dict:
     return out
 
 
-def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int,
-                       gain: float = GAIN) -> tuple[np.ndarray, float, int, str]:
+def diagonal_scale(jt_signs, probes: int = PROBES) -> np.ndarray:
+    """``sqrt`` of the Gauss-Newton matrix's diagonal (module docstring), from ``probes`` calls of
+    ``jt_signs()``, each ``J^T w`` for fresh random signs w; coordinates no probe sees get ``FLOOR`` times the
+    largest scale (all ones when no coordinate is seen)."""
+    acc = None
+    for _ in range(probes):
+        g = np.asarray(jt_signs(), dtype=np.float64)
+        acc = g * g if acc is None else acc + g * g
+    s = np.sqrt(acc / probes)
+    top = float(s.max()) if s.size else 0.0
+    if not np.isfinite(top) or top <= 0.0:
+        return np.ones_like(s)
+    return np.maximum(s, FLOOR * top)
+
+
+def signs(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random signs (+1 / -1) of ``shape``: the Hutchinson probes."""
+    return rng.integers(0, 2, shape) * 2.0 - 1.0
+
+
+def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: float = GAIN,
+                       scale: np.ndarray | None = None) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
     iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
-    improved on it)."""
+    improved on it). ``scale``: run in ``z = scale * theta`` (:func:`diagonal_scale`); theta is returned."""
     from scipy.optimize import minimize
+    if scale is not None:
+        s = np.asarray(scale, dtype=np.float64)
+
+        def scaled(z):
+            L, G = fun(z / s)
+            return L, G / s
+        z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain)
+        return z / s, L1, iters, message
     theta, L1, iters, message = theta0, float(L0), 0, ""
     while iters < max_iter:
         sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
@@ -60,4 +100,4 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int,
     return theta, L1, iters, message
 
 
-__all__ = ["minimize_in_chunks", "normalize", "normalize_back", "pack", "unpack"]
+__all__ = ["diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]

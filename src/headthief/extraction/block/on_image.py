@@ -170,8 +170,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
         q0 = oracle.queries
         start = start_block(ln, ivs, part, int(heads), rng)
         groups = groups or _sequences(oracle, image, rng, int(ffn), positions)
-        block, first = refit_block(start, groups, free=HEADS)          # the heads alone first: ~10x fewer steps
-        block, fit = refit_block(block, groups)                          # then every parameter
+        block, first = refit_block(start, groups, free=HEADS, rng=rng)  # the heads alone first: ~10x fewer steps
+        block, fit = refit_block(block, groups, rng=rng)                # then every parameter
         fit["block_refit_heads_iterations"] = first["block_refit_iterations"]
         mark("A", q0)
         tries.append((fit["block_refit_insample"], part, one, block, fit))

@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import ConvergenceError
 from .ffn import FFNPart
 from .layernorm import OutputLayerNorm
-from .lbfgs import minimize_in_chunks, normalize, normalize_back, pack, unpack
+from .lbfgs import diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs, unpack
 from .value_sum import ValueSum, centre, with_map
 
 MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
@@ -62,11 +62,15 @@ def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: in
 
 
 def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray, Y: np.ndarray, *,
-                    max_iter: int = MAX_ITER, progress=None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
+                    max_iter: int = MAX_ITER, progress=None,
+                    rng: np.random.Generator | None = None,
+                    scaled: bool = True) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
     """The parts refitted to the one-token answers ``Y`` (k, d) of tokens ``X`` (k, d) (module docstring):
-    ``(part, ln, vs, info)``. ``info`` has the rms residual before and after (relative to the answers' rms),
-    the iterations, and ``fitted``. Raises :class:`ConvergenceError` when L-BFGS stops on an error other
-    than convergence or the iteration cap with the fit no better than its start."""
+    ``(part, ln, vs, info)``. L-BFGS runs in coordinates scaled by the Gauss-Newton diagonal
+    (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
+    ``scaled=False``: in the parameters themselves, as first built). ``info`` has the rms residual before and
+    after (relative to the answers' rms), the iterations, and ``fitted``. Raises :class:`ConvergenceError`
+    when L-BFGS stops on an error other than convergence or the iteration cap with the fit no better than its start."""
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
     d, f = X.shape[1], part.W1m.shape[0]
@@ -75,7 +79,9 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
              "W2": part.W2, "g2": ln.gamma, "be2": ln.beta}
     theta0 = pack(start, shapes(d, f))
     rms = float(np.sqrt(np.mean(Y * Y)))
-    L0, _ = loss_and_grad(theta0, X, Y, d, f)
+    L0, G0 = loss_and_grad(theta0, X, Y, d, f)
+    rng = np.random.default_rng(0) if rng is None else rng
+    scale = diagonal_scale(lambda: loss_and_grad(theta0, X, Y - signs(rng, Y.shape), d, f)[1] - G0) if scaled else None
     calls = [0]
 
     def fun(th):
@@ -85,7 +91,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
             progress(calls[0], np.sqrt(2 * L / Y.size) / rms)
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter)
+    theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter, scale=scale)
     before = float(np.sqrt(2 * L0 / Y.size) / rms)
     after = float(np.sqrt(2 * L1 / Y.size) / rms)
     if not np.isfinite(L1) or L1 >= L0:
@@ -132,7 +138,7 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
         norms = np.minimum(norms, 0.99 * float(oracle.input_norm))
     Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
     Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
-    new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress)
+    new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 
