@@ -44,7 +44,8 @@ import numpy as np
 from headthief.errors import ConvergenceError, ModelMismatch
 from headthief.extraction.block.image import LayerNormImage, random_image
 from headthief.extraction.block.value_sum import CONSISTENCY, centre, ladder_step, stencil_derivative
-from headthief.extraction.block.value_sum_image import ImageValueSum, _jacobians, _mean_zero_basis
+from headthief.extraction.block.value_sum import mean_zero_basis
+from headthief.extraction.block.value_sum_image import ImageValueSum, _jacobians
 
 MAX_ITER = 1500    # alternating steps (measured: 141 - 339 to 1e-12 in float64 at d = 16 - 32, ~600 at d = 96)
 MEMORY = 8         # Anderson mixing's memory
@@ -57,7 +58,7 @@ class _Stacked:
     def __init__(self, image: LayerNormImage, data: list):
         d = image.d
         self.d, self.G = d, np.asarray(image.gamma, np.float64)
-        self.Qm = Qm = _mean_zero_basis(d)
+        self.Qm = Qm = mean_zero_basis(d)
         self.pre = []
         for n, T, Z, Y in data:
             n, T, Z, Y = (np.asarray(a, np.float64) for a in (n, T, Z, Y))

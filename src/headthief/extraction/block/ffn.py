@@ -37,7 +37,7 @@ import scipy.linalg
 from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm
-from .value_sum import COARSE, ValueSum, stencil_derivative, stencil_tokens
+from .value_sum import COARSE, ValueSum, mean_zero_basis, stencil_derivative, stencil_tokens
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     ``probes`` (d, p): J holds the derivatives along the probes only (T, d, p), each projected on its point's
     tangent (:mod:`.ffn_probes`); the nuisance is then ``n_t a^T + e (V^T m_t)^T`` with ``a`` in R^p."""
     T, d, _ = J.shape
-    E = np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+    E = mean_zero_basis(d)
     Y = J.reshape(T, -1)
     scale = np.linalg.norm(Y, axis=1, keepdims=True)
     Y = Y / scale
@@ -352,7 +352,7 @@ def lift_against(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, Q: np.ndarray, p
     4e-6 on one of 8 d = 32 blocks (research seed 2; 300 steps, then the L-BFGS polish), and settled in 53
     steps without them."""
     T, d, p = J.shape
-    E = np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+    E = mean_zero_basis(d)
     Y = J.reshape(T, -1)
     Y = Y / np.linalg.norm(Y, axis=1, keepdims=True)
     apply, _ = _nuisance_maps(Y, ns, ms, E, probes, None)

@@ -123,7 +123,7 @@ def random_queries(d: int, ffn: int) -> int:
 
 
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
-                      scale: float, progress=None):
+                      scale: float, progress=None, max_iter: int = MAX_ITER):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
     ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
@@ -138,7 +138,8 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
         norms = np.minimum(norms, 0.99 * float(oracle.input_norm))
     Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
     Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
-    new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng)
+    new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
+                                                     max_iter=max_iter)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 

@@ -99,6 +99,11 @@ def with_map(vs: "ValueSum", B: np.ndarray, b: np.ndarray) -> "ValueSum":
     return dataclasses.replace(vs, B=centre(B), b=centre(b), Binv=Binv, c0=c0 - c1 * (c1 @ c0), c1=c1)
 
 
+def mean_zero_basis(d: int) -> np.ndarray:
+    """An orthonormal basis (d, d - 1) of the mean-zero vectors (fixed, so results do not depend on a draw)."""
+    return np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+
+
 def centre(A: np.ndarray) -> np.ndarray:
     """``P A`` with ``P = I - 1 1^T / d``: the ones-component along the first axis removed."""
     A = np.asarray(A, dtype=np.float64)

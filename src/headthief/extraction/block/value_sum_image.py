@@ -35,7 +35,7 @@ from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable, SpecErro
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from .image import LayerNormImage
-from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, stencil_derivative
+from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, mean_zero_basis, stencil_derivative
 
 MAX_ITER = 200            # Levenberg-Marquardt steps
 MAX_UNKNOWNS = 8192       # the joint fit is dense: (d - 1)^2 + (d - 1) + bases (d - 2) unknowns (d <= 88 at 3 bases)
@@ -59,11 +59,6 @@ class ImageValueSum:
     def pre(self, N: np.ndarray) -> np.ndarray:
         """``P (B x + b)`` for the image tokens with normalised rows N."""
         return np.atleast_2d(N) @ self.K.T + self.c
-
-
-def _mean_zero_basis(d: int) -> np.ndarray:
-    """An orthonormal basis (d, d - 1) of the mean-zero vectors (fixed, so results do not depend on a draw)."""
-    return np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
 
 
 def _jacobians(oracle: Oracle, image: LayerNormImage, n: np.ndarray, T: np.ndarray, h: float):
@@ -91,7 +86,7 @@ class _Fit:
     def __init__(self, image: LayerNormImage, bases: list):
         d = image.d
         self.d, self.k, self.P = d, d - 2, len(bases)
-        self.Qm = Qm = _mean_zero_basis(d)
+        self.Qm = Qm = mean_zero_basis(d)
         G = image.gamma
         self.pre = []
         for n, T, C in bases:
