@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--load", default=None, help="start from parts --save wrote (stages L, V, F not run again)")
     ap.add_argument("--refit-iterations", type=int, default=0,
                     help="then run the one-token refit (F+) for at most this many L-BFGS iterations and report again")
+    ap.add_argument("--plain", action="store_true",
+                    help="the refit in the parameters themselves (not scaled by the Gauss-Newton diagonal)")
     args = ap.parse_args()
     if args.save is not None:
         open(args.save, "ab").close()                   # the output path checked before the first query
@@ -125,8 +127,10 @@ def main() -> None:
 
         q0 = oracle.queries
         part, ln, vs, info, _ = refit_from_oracle(oracle, part, ln, vs, rng, scale=float(np.sqrt(d)),
-                                                  progress=refit_progress, max_iter=args.refit_iterations)
-        print(f"F+: {info['refit_iterations']} iterations, rms {info['refit_rms_before']:.3e} -> "
+                                                  progress=refit_progress, max_iter=args.refit_iterations,
+                                                  scaled=not args.plain)
+        print(f"F+ ({'plain' if args.plain else 'scaled'} coordinates): {info['refit_iterations']} iterations, "
+              f"rms {info['refit_rms_before']:.3e} -> "
               f"{info['refit_rms_after']:.3e}, {oracle.queries - q0} queries, "
               f"{(time.perf_counter() - t1) / 60:.1f} min ({info['refit_message']})")
         report("after F+ (the one-token refit):", part, ln, vs, truth, oracle, rng, eps)

@@ -123,7 +123,7 @@ def random_queries(d: int, ffn: int) -> int:
 
 
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
-                      scale: float, progress=None, max_iter: int = MAX_ITER):
+                      scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
     ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
@@ -139,7 +139,7 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
     Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
     Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
-                                                     max_iter=max_iter)
+                                                     max_iter=max_iter, scaled=scaled)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 
