@@ -24,24 +24,16 @@ import time
 import numpy as np
 
 from headthief.extraction.block import block_refit, one_token_refit
-from headthief.extraction.block.ffn import FFNPart, predict_one_token
+from headthief.extraction.block.extract import parts_from_block
+from headthief.extraction.block.ffn import predict_one_token
 from headthief.extraction.block.layernorm import fit_output_layernorm
-from headthief.extraction.block.value_sum import ValueSum, with_map
 from headthief.models.bert_block import random_block
-
-
-def _gauge(block):
-    """The block with the parameters no answer sees set to zero (what the block refit keeps fixed)."""
-    a = block.attention
-    att = dataclasses.replace(a, bk=np.zeros_like(a.bk), bv=np.zeros_like(a.bv), bo=a.bo + a.Wo @ a.bv.reshape(-1))
-    return dataclasses.replace(block, attention=att, ln1_beta=np.zeros(block.d), b1=block.b1 + block.W1 @ block.ln1_beta,
-                               b2=block.b2 + block.ln1_beta)
 
 
 def _one(args, seed: int) -> list[str]:
     d, H, f = args.d, args.heads, args.ffn
     block32 = random_block(d, H, f, seed=seed, dtype=np.float32)
-    truth = _gauge(block32.astype(np.float64))
+    truth = block_refit.gauged(block32.astype(np.float64))
     rng = np.random.default_rng(10_000 + seed)
 
     def noisy(a):
@@ -68,15 +60,9 @@ def _one(args, seed: int) -> list[str]:
     Xo = Xf[:, 0]
     Yo = np.asarray(block32.forward(Xo[:, None]), np.float64)[:, 0]
 
-    # the one-token parts of the start (one_token_refit's parametrisation)
+    # the one-token parts of the start (one_token_refit's parametrisation), LN2 read from the answers (stage L)
     ln = fit_output_layernorm(Y1[:, 0])
-    blank = ValueSum(B=np.eye(d), b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
-                     residual=0.0, conditioning=1.0, expected=0.0, step=0.0, queries=0)
-    vs = with_map(blank, *start.value_output_sum())
-    P = np.eye(d) - 1.0 / d
-    g1 = start.ln1_gamma
-    s = np.linalg.norm(g1) / np.sqrt(d)
-    part = FFNPart(gamma=g1 / s, c=P @ start.b2 / s, W1m=(start.W1 * g1) @ P, b1m=start.b1.copy(), W2=start.W2 / s)
+    _, vs, part, _ = parts_from_block(start)
     rows = []
     for scaled in (False, True):
         t0 = time.perf_counter()

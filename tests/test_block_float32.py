@@ -10,8 +10,9 @@ import pytest
 
 import headthief as ht
 from headthief.extraction.block import block_refit, one_token_refit
-from headthief.extraction.block.extract import parts_of
-from headthief.extraction.block.ffn import FFNPart, predict_one_token
+from headthief.extraction.block.block_refit import gauged
+from headthief.extraction.block.extract import parts_from_block, parts_of
+from headthief.extraction.block.ffn import predict_one_token
 from headthief.extraction.block.layernorm import fit_output_layernorm
 from headthief.extraction.block.value_sum import centre
 from headthief.models.bert_block import random_block
@@ -26,15 +27,6 @@ def _numeric_grad(f, theta, h=1e-6):
     return g
 
 
-def _canonical(block):
-    """The block with the parameters no answer sees set to zero (what the refit keeps fixed)."""
-    att = dataclasses.replace(block.attention, bk=np.zeros_like(block.attention.bk),
-                              bv=np.zeros_like(block.attention.bv),
-                              bo=block.attention.bo + block.attention.Wo @ block.attention.bv.reshape(-1))
-    return dataclasses.replace(block, attention=att, ln1_beta=np.zeros(block.d),
-                               b1=block.b1 + block.W1 @ block.ln1_beta, b2=block.b2 + block.ln1_beta)
-
-
 def test_one_token_loss_gradient_is_exact():
     rng = np.random.default_rng(0)
     d, f = 5, 7
@@ -47,7 +39,7 @@ def test_one_token_loss_gradient_is_exact():
 
 
 def test_block_loss_is_the_block_and_its_gradient_is_exact():
-    block = _canonical(random_block(8, 2, 6, seed=1))
+    block = gauged(random_block(8, 2, 6, seed=1))
     rng = np.random.default_rng(2)
     p = block_refit.params_of(block)
     shapes = {k: np.shape(p[k]) for k in block_refit.NAMES}
@@ -74,7 +66,7 @@ def test_refits_bring_a_perturbed_start_to_the_answers_precision():
     one-token refit and then the block refit bring every part back to within 1e3 x the answers' rounding."""
     d, H, f = 8, 2, 16
     block32 = random_block(d, H, f, seed=3, dtype=np.float32)
-    truth = _canonical(block32.astype(np.float64))
+    truth = gauged(block32.astype(np.float64))
     rng = np.random.default_rng(4)
     Xs = rng.standard_normal((1000, 1, d)) * rng.uniform(0.5, 1.5, (1000, 1, 1))
     Ys, rounding = _float32_rounding(block32, Xs)
@@ -87,14 +79,7 @@ def test_refits_bring_a_perturbed_start_to_the_answers_precision():
                                                               K=noisy(truth.attention.K), V=noisy(truth.attention.V),
                                                               Wo=noisy(truth.attention.Wo)))
     ln = fit_output_layernorm(Ys[:, 0])
-    from headthief.extraction.block.value_sum import ValueSum, with_map
-    blank = ValueSum(B=np.eye(d), b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
-                     residual=0.0, conditioning=1.0, expected=0.0, step=0.0, queries=0)
-    vs = with_map(blank, *start.value_output_sum())
-    P = np.eye(d) - 1.0 / d
-    g1 = start.ln1_gamma
-    s = np.linalg.norm(g1) / np.sqrt(d)
-    part = FFNPart(gamma=g1 / s, c=P @ start.b2 / s, W1m=(start.W1 * g1) @ P, b1m=start.b1.copy(), W2=start.W2 / s)
+    _, vs, part, _ = parts_from_block(start)
     def fid(pt, l, v):
         return float(np.max(np.abs(predict_one_token(pt, l, v, Xs[:, 0]) - Ys[:, 0])) / np.sqrt(np.mean(Ys ** 2)))
     before = fid(part, ln, vs)

@@ -42,6 +42,16 @@ def params_of(block) -> dict:
             "be2": block.ln2_beta}
 
 
+def gauged(block):
+    """The same block with the parameters no answer sees moved into the ones the fit keeps (module docstring):
+    ``b_K = b_V = 0`` (``W_O b_V`` into ``b_O``), ``beta_1 = 0`` (into ``b_1`` and ``b_2``). Its answers are
+    the block's."""
+    a = block.attention
+    att = dataclasses.replace(a, bk=np.zeros_like(a.bk), bv=np.zeros_like(a.bv), bo=a.bo + a.Wo @ a.bv.reshape(-1))
+    return dataclasses.replace(block, attention=att, ln1_beta=np.zeros(block.d), b1=block.b1 + block.W1 @ block.ln1_beta,
+                               b2=block.b2 + block.ln1_beta)
+
+
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads."""
     from scipy.special import erf
@@ -157,4 +167,4 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
                  "block_refit_message": message}
 
 
-__all__ = ["REFIT_LENGTHS", "loss_and_grad", "params_of", "refit_block", "refit_counts"]
+__all__ = ["REFIT_LENGTHS", "gauged", "loss_and_grad", "params_of", "refit_block", "refit_counts"]

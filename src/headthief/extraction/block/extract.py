@@ -192,6 +192,18 @@ def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads)
     return new_ln, new_vs, new_ffn, new_att
 
 
+def parts_from_block(block) -> tuple[OutputLayerNorm, ValueSum, FFNPart, Heads]:
+    """A known block's parts in the stages' canonical forms (:func:`parts_of` on blank parts): a start for
+    the refits in tests and benchmarks (a truth perturbed), not anything the method reads."""
+    d, f, H = block.d, block.ffn, block.heads
+    ln = OutputLayerNorm(gamma=np.ones(d), beta=np.zeros(d), plane_residual=0.0, sphere_residual=0.0, answers=0)
+    vs = ValueSum(B=np.eye(d), b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
+                  residual=0.0, conditioning=1.0, expected=0.0, step=0.0, queries=0)
+    part = FFNPart(gamma=np.ones(d), c=np.zeros(d), W1m=np.zeros((f, d)), b1m=np.zeros(f), W2=np.zeros((d, f)))
+    att = Heads(O=np.zeros((H, d, d)), W=np.zeros((H, d, d)), c=np.zeros((H, d)))
+    return parts_of(block, ln, vs, part, att)
+
+
 def _ln_and_value_errors(ln: OutputLayerNorm, vs: ValueSum, truth) -> dict[str, Any]:
     """Stages L and V against a :class:`BertBlock`: LN2 (gamma up to the global sign), ``P B``, ``P b``."""
     sign = 1.0 if float(ln.gamma @ truth.ln2_gamma) >= 0 else -1.0
@@ -447,4 +459,5 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
     return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge)
 
 
-__all__ = ["BlockExtraction", "BlockParts", "assemble", "block_errors", "expected_queries", "extract_block"]
+__all__ = ["BlockExtraction", "BlockParts", "assemble", "block_errors", "expected_queries", "extract_block",
+           "parts_from_block", "parts_of"]
