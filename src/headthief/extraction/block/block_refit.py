@@ -48,8 +48,8 @@ def gauged(block):
     the block's."""
     a = block.attention
     att = dataclasses.replace(a, bk=np.zeros_like(a.bk), bv=np.zeros_like(a.bv), bo=a.bo + a.Wo @ a.bv.reshape(-1))
-    return dataclasses.replace(block, attention=att, ln1_beta=np.zeros(block.d), b1=block.b1 + block.W1 @ block.ln1_beta,
-                               b2=block.b2 + block.ln1_beta)
+    return dataclasses.replace(block, attention=att, ln1_beta=np.zeros(block.d),
+                               b1=block.b1 + block.W1 @ block.ln1_beta, b2=block.b2 + block.ln1_beta)
 
 
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
