@@ -21,8 +21,8 @@ Counted (a multiply-add is two operations; the leading terms of the code's own l
 * **F+, one-token refit** (coarse answers, :mod:`.one_token_refit`): ``REFIT_ITERATIONS`` L-BFGS iterations
   (the most measured: 4,500), each a forward and backward pass (3 forward's operations) over its random tokens,
   ``2 d^2 + 4 d ffn`` a forward. Measured at MiniLM's block 2 (float32, scaled coordinates): 6.5 s an
-  evaluation on one core, and 300 iterations took the one-token fidelity from 3.1e-2 to 4.2e-4 (about 600
-  would reach 1e-4 at the last rate), so the plan's 4,500 is an upper bound there.
+  evaluation on one core, and 300 iterations took the one-token fidelity from 3.1e-2 to 4.2e-4, 450 to 2.2e-4
+  (about 650 would reach 1e-4 at the last rate), so the plan's 4,500 is an upper bound there.
 * **R, block refit** (coarse answers, :mod:`.block_refit`): the same over its sequences' positions,
   ``8 d^2 + 4 d ffn + 4 L d`` a position's forward in a sequence of L tokens.
 * **A, pull-backs** (:mod:`.heads`): a d x d product per read, 3 step sizes x (2 d + 8) bases x (2 d + 1)
