@@ -7,9 +7,11 @@ algebra's own precision); ``float32`` is the block as the model runs it.
     .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --save f32.pkl
     .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --load f32.pkl --refit-iterations 300
 
-``--save`` keeps the parts stages L, V and F recovered; ``--load`` starts from them, and ``--refit-iterations N``
-then runs the one-token refit (F+, :func:`headthief.extraction.block.one_token_refit.refit_from_oracle`, its
-30,792 random tokens at this size) for at most N L-BFGS iterations and reports the same figures again.
+``--save`` keeps the parts stages L, V and F recovered (with ``--refit-iterations``: the refitted ones);
+``--load`` starts from them, and ``--refit-iterations N`` then runs the one-token refit (F+,
+:func:`headthief.extraction.block.one_token_refit.refit_from_oracle`, its 30,792 random tokens at this size)
+for at most N L-BFGS iterations and reports the same figures again. The refit goes on from saved refitted
+parts with a fresh L-BFGS memory and fresh random tokens.
 
 Prints the span's progress, then per part the relative error modulo the block's symmetries (docs/block.md):
 LN1's gamma (global scale), every neuron's input row ``W_1 Gamma_1 P`` (matched to the nearest true neuron;
@@ -73,7 +75,8 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=2)
     ap.add_argument("--dtype", default="float64", choices=("float32", "float64"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save", default=None, help="pickle the recovered parts (ln, vs, part, precision, queries) here")
+    ap.add_argument("--save", default=None, help="pickle the recovered parts (ln, vs, part, precision, queries) here "
+                    "(after --refit-iterations: the refitted parts)")
     ap.add_argument("--load", default=None, help="start from parts --save wrote (stages L, V, F not run again)")
     ap.add_argument("--refit-iterations", type=int, default=0,
                     help="then run the one-token refit (F+) for at most this many L-BFGS iterations and report again")
@@ -134,6 +137,12 @@ def main() -> None:
               f"{info['refit_rms_after']:.3e}, {oracle.queries - q0} queries, "
               f"{(time.perf_counter() - t1) / 60:.1f} min ({info['refit_message']})")
         report("after F+ (the one-token refit):", part, ln, vs, truth, oracle, rng, eps)
+        if args.save is not None:                      # the refitted parts, to --load and go on from
+            import pickle
+            with open(args.save, "wb") as fh:
+                pickle.dump({"layer": args.layer, "dtype": args.dtype, "ln": ln, "vs": vs, "part": part,
+                             "precision": eps, "queries": oracle.queries,
+                             "minutes": (time.perf_counter() - t0) / 60, "refit": info}, fh)
     print(f"  {oracle.queries} queries in this run, {(time.perf_counter() - t0) / 60:.1f} min")
 
 
