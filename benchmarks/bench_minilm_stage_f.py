@@ -30,6 +30,7 @@ rank-one starts, gamma_1 4.6e-4, W_1 rows median 7.3e-4 (worst 6.6e-3), biases m
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 
@@ -70,6 +71,13 @@ def report(label: str, part, ln, vs, truth, oracle, rng, eps: float) -> None:
     print(f"  one-token fidelity {fid:.3g}: {verdict}", flush=True)
 
 
+def _save(args, ln, vs, part, eps: float, queries: int, minutes: float, **more) -> None:
+    """The parts (and what they cost so far: queries and minutes over every run they came through) to --save."""
+    with open(args.save, "wb") as fh:
+        pickle.dump({"layer": args.layer, "dtype": args.dtype, "ln": ln, "vs": vs, "part": part, "precision": eps,
+                     "queries": queries, "minutes": minutes, **more}, fh)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", type=int, default=2)
@@ -91,12 +99,13 @@ def main() -> None:
     oracle = ModelOracle(block)
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
+    q_before, min_before = 0, 0.0                       # what the loaded parts cost in earlier runs
     if args.load is not None:
-        import pickle
         with open(args.load, "rb") as fh:
             saved = pickle.load(fh)
         ln, vs, part, eps = saved["ln"], saved["vs"], saved["part"], saved["precision"]
-        print(f"loaded {args.load}: stages L, V, F took {saved['queries']} queries, {saved['minutes']:.1f} min")
+        q_before, min_before = int(saved["queries"]), float(saved["minutes"])
+        print(f"loaded {args.load}: {q_before} queries, {min_before:.1f} min so far")
     else:
         ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
         eps = max(float(ln.sphere_residual), 1e-15)
@@ -115,13 +124,12 @@ def main() -> None:
             sys.exit(1)
         minutes = (time.perf_counter() - t0) / 60
         if args.save is not None:
-            import pickle
-            with open(args.save, "wb") as fh:
-                pickle.dump({"layer": args.layer, "dtype": args.dtype, "ln": ln, "vs": vs, "part": part,
-                             "precision": eps, "queries": oracle.queries, "minutes": minutes}, fh)
+            _save(args, ln, vs, part, eps, oracle.queries, minutes)
         print(f"MiniLM block {args.layer}, {args.dtype}: span {part.info['span_iterations']} steps, "
               f"{part.info['starts']} rank-one starts, {oracle.queries} queries, {minutes:.1f} min")
-    report("stage F (the algebra):", part, ln, vs, truth, oracle, rng, eps)
+    refitted = args.load is not None and "refit" in saved
+    report("the loaded parts (refitted before):" if refitted else "stage F (the algebra):", part, ln, vs, truth,
+           oracle, rng, eps)
     if args.refit_iterations > 0:
         t1 = time.perf_counter()
 
@@ -138,11 +146,8 @@ def main() -> None:
               f"{(time.perf_counter() - t1) / 60:.1f} min ({info['refit_message']})")
         report("after F+ (the one-token refit):", part, ln, vs, truth, oracle, rng, eps)
         if args.save is not None:                      # the refitted parts, to --load and go on from
-            import pickle
-            with open(args.save, "wb") as fh:
-                pickle.dump({"layer": args.layer, "dtype": args.dtype, "ln": ln, "vs": vs, "part": part,
-                             "precision": eps, "queries": oracle.queries,
-                             "minutes": (time.perf_counter() - t0) / 60, "refit": info}, fh)
+            _save(args, ln, vs, part, eps, q_before + oracle.queries,
+                  min_before + (time.perf_counter() - t0) / 60, refit=info)
     print(f"  {oracle.queries} queries in this run, {(time.perf_counter() - t0) / 60:.1f} min")
 
 

@@ -391,7 +391,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                                 check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
         ran = attempt                           # tries run; the best passing one is kept
         insample, block, part, first, fit, fid, ivs = min(passed, key=lambda t: t[0])
-        polished = 0
+        polished, polish = 0, "0 more iterations at 1% a chunk included"
         if coarse and insample > GOOD_FACTOR * floor and POLISH:
             # a slow valley, not a wrong start (measured: float32 seed 694's block 1 stopped at in-sample 3.7e-5
             # by the 10%-a-chunk rule on 3 tries; at 1% a chunk the first try went on to 3.1e-6 in 20,000
@@ -399,9 +399,10 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
             try:
                 block2, fit2 = refit_block(block, fit_pairs(), max_iter=POLISH, gain=SLOW_GAIN, rng=rng)
             except ConvergenceError:            # no step improved on it: the rule below decides
-                polished = -1
+                polish = "the polish at 1% a chunk improved nothing"
             else:
                 polished = int(fit2["block_refit_iterations"])
+                polish = f"{polished} more iterations at 1% a chunk included"
                 if fit2["block_refit_insample"] < insample:
                     fid2 = _fresh_fidelity(paths, k, block2, rng, length, verify)
                     if passes(fit2["block_refit_insample"], fid2):
@@ -410,10 +411,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
             # a result an order of magnitude above the method's precision is not called done (measured: float32
             # seed 694's block 1, best of 3 fits at in-sample 3.7e-5, the encoder's fidelity 1.5e-4 where
             # 19 other seeds reach 1.8e-6 .. 5.6e-6)
-            how = ("the polish at 1% a chunk improved nothing" if polished < 0
-                   else f"{polished} more iterations at 1% a chunk included")
             raise ConvergenceError(f"block {k}: the best of {ran} fits reached in-sample {insample:.3g} "
-                                   f"({how}; fidelity "
+                                   f"({polish}; fidelity "
                                    f"{fid:.3g} on fresh sequences), above {GOOD_FACTOR}x the method's floor "
                                    f"{floor:.3g} (30x the answers' precision {eps:.2g}): not at the method's "
                                    "precision")
@@ -427,7 +426,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                 "fit_heads_iterations": first["block_refit_iterations"],
                 "fit_iterations": fit["block_refit_iterations"], "fit_rms": fit["block_refit_rms_after"],
                 "fidelity": float(fid), "insample": float(insample), "fit_attempts": ran,
-                "fit_polish_iterations": max(polished, 0),
+                "fit_polish_iterations": polished,
                 "queries": int(oracle.queries - q0)}
         per.append(ImageBlockExtraction(block=block, ln=ln_, value=vs_, ffn=part_, attention=att_,
                                         queries=int(oracle.queries - q0), seconds=0.0, diagnostics=diag,
