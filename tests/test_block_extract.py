@@ -59,6 +59,27 @@ def test_stage_a_recovers_every_head(seed):
     assert head_errors(att, block) <= 100 * att.info["heads_residual"]
 
 
+def test_stage_a_reads_in_bounded_batches_are_the_same_reads(monkeypatch):
+    import headthief.extraction.block.heads as heads_mod
+    block = random_block(D, H, FFN, seed=37)
+    rng = np.random.default_rng(37)
+    vs = value_sum(ModelOracle(block), rng, precision=2.0 ** -53)
+    X = rng.standard_normal((D + 3, D))
+    dirs = rng.standard_normal((2 * D + 1, D))
+    whole, chunked = ModelOracle(block), ModelOracle(block)
+    one = heads_mod.reads(whole, vs, X, dirs, 0.05)
+    monkeypatch.setattr(heads_mod, "READ_BATCH", 3 * len(X))              # 3 directions a batch: 11 batches
+    seen = []
+    many = heads_mod.reads(chunked, vs, X, dirs, 0.05, progress=lambda done, total: seen.append((done, total)))
+    assert chunked.queries == whole.queries == 3 * len(X) * len(dirs) * 3 and chunked.calls > whole.calls
+    assert seen[-1] == (len(dirs), len(dirs)) and len(seen) == -(-len(dirs) // 3)
+    # each read combines 4 answers per step size with the Richardson weights; a batch of another size may round
+    # each answer differently (BLAS blocking), by a few units in the last place of the answers' size
+    size = float(np.max(np.abs(block.forward(X[:, None, :]))))
+    ulps = 4 * 8 * 2.0 ** -52 * size * float(np.sum(np.abs(heads_mod.richardson(heads_mod.LEVELS, 0.05))))
+    assert np.max(np.abs(one - many)) <= ulps
+
+
 def test_stage_a_from_the_last_position_only():
     block = random_block(D, H, FFN, seed=33, output="last")
     oracle = ModelOracle(block)

@@ -50,6 +50,8 @@ from ...oracles.base import Oracle
 from .value_sum import COARSE, ValueSum, one_token_jacobian
 
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
+READ_BATCH = 1 << 15     # pair sequences a reads' batch holds at most (directions x base tokens): at d = 384 the
+                         # 769 x 776 pairs of one batch would hold 1.2 million tokens (their FFN alone 7 GB)
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
 
@@ -107,6 +109,25 @@ def richardson(levels, t: float) -> np.ndarray:
     e = np.zeros(len(c))
     e[0] = 0.5
     return np.linalg.solve(V, e)
+
+
+def reads(oracle: Oracle, vs: ValueSum, X: np.ndarray, dirs: np.ndarray, t: float, *, progress=None) -> np.ndarray:
+    """``J_Phi r`` for every direction (rows of ``dirs``) and base token (rows of X): the Richardson sum of
+    :func:`second_order` over ``LEVELS``, (len(dirs), len(X), d_out). Sent in batches of at most
+    ``READ_BATCH`` pairs (whole directions; every step size of a batch before the next), so memory stays
+    bounded at any d; below that size it is one batch per step size, as before. ``progress(done, total)``
+    after each batch, in directions."""
+    w = richardson(LEVELS, t)
+    per = max(1, READ_BATCH // max(len(X), 1))
+    out = None
+    for i in range(0, len(dirs), per):
+        part = sum(wk * second_order(oracle, vs, X, dirs[i:i + per], c * t) for c, wk in zip(LEVELS, w))
+        if out is None:
+            out = np.empty((len(dirs),) + part.shape[1:])
+        out[i:i + per] = part
+        if progress is not None:
+            progress(min(i + per, len(dirs)), len(dirs))
+    return out
 
 
 def _fit_reads(Zs: np.ndarray, X: np.ndarray, c0: np.ndarray, P1: np.ndarray) -> list[tuple[np.ndarray, float]]:
@@ -407,12 +428,13 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
 
 def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int | None, precision: float,
                   scale: float | None = None, points: int | None = None, step: float | None = None,
-                  jacobian=None) -> Heads:
+                  jacobian=None, progress=None) -> Heads:
     """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: read from the reads' rank);
     ``precision`` the answers' relative precision; ``scale`` the base tokens' norm (default sqrt(d));
     ``points`` the base tokens (default 2 d + 8: d + 8 left two d = 16 seeds at 1.1e-8 and 1.4e-8);
     ``jacobian``: ``x -> J_Psi(x)`` from the recovered one-token map, used in place of the measured
-    Jacobians (no stencil queries; float32 answers, where the stencil's error is the reads' largest)."""
+    Jacobians (no stencil queries; float32 answers, where the stencil's error is the reads' largest);
+    ``progress(done, total)``: the reads' directions sent so far (:func:`reads`)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     d = oracle.d
@@ -443,7 +465,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     E = E.T                                                              # rows: orthonormal directions
     e0 = _unit(rng.standard_normal(d))
     dirs = np.vstack([e0[None], E, e0[None] + E])                          # (2 d + 1, d)
-    JR = sum(w * second_order(oracle, vs, X, dirs, c * t) for c, w in zip(LEVELS, richardson(LEVELS, t)))
+    JR = reads(oracle, vs, X, dirs, t, progress=progress)
     P1, Qc = _gauge(vs.c1)
     fits = _fit_reads(np.einsum("pij,kpj->kpi", np.stack(pulls), JR), X, vs.c0, P1)   # B^{-1} r modulo the null space
     coarse = eps > COARSE
