@@ -14,7 +14,7 @@ import pytest
 
 from headthief import ModelOracle, random_head
 from headthief.cli import main
-from headthief.oracles.journal import Journal, JournalMismatch
+from headthief.oracles.journal import Journal, JournalError, JournalMismatch
 from headthief.testing import kill_resume
 
 
@@ -39,6 +39,21 @@ def test_journal_is_written_before_the_answers_are_used(tmp_path):
     j.close()
     o2 = ModelOracle(head, transcript=Journal(path, {"t": 1}))
     assert np.array_equal(o2.query([np.ones((1, 6)), np.zeros((2, 6))]), y) and o2.replayed == 2 and o2.fresh == 0
+
+
+def test_journal_reads_answers_from_the_file_not_from_memory(tmp_path):
+    path = tmp_path / "j.db"
+    writer, reader = Journal(path, {"t": 1}), Journal(path, {"t": 1})
+    writer.record(b"k" * 16, np.arange(6.0).reshape(2, 3))
+    # a record written after the reader opened is found by it: lookups go to the file
+    assert np.array_equal(reader.lookup(b"k" * 16, 2), np.arange(6.0).reshape(2, 3))
+    assert reader.lookup(b"k" * 16, 4) is None and reader.lookup(b"x" * 16, 2) is None
+    assert len(reader) == 1 and reader.queries == 2
+    with sqlite3.connect(path) as db:              # damaged after it was opened: refused when read
+        db.execute("UPDATE answers SET answers = zeroblob(length(answers))")
+    with pytest.raises(JournalError, match="fails its checksum"):
+        reader.lookup(b"k" * 16, 2)
+    writer.close(), reader.close()
 
 
 def test_torn_last_write_is_dropped_with_a_message(tmp_path):

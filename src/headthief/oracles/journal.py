@@ -80,7 +80,9 @@ def _wal_tail(path: Path) -> int:
 
 
 class Journal(Transcript):
-    """A :class:`~headthief.oracles.Transcript` whose every record is also written durably to SQLite.
+    """A :class:`~headthief.oracles.Transcript` whose records live in SQLite: each written durably before it is
+    used, every one checked when the file is opened, and read back from the file when asked for (never all
+    held in memory: a whole MiniLM block's answers are tens of GB).
 
     Args:
         path: the journal file (created when missing).
@@ -108,7 +110,6 @@ class Journal(Transcript):
             self._db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, "
                              "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL)")
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
-            rows = self._db.execute("SELECT id, key, n, answers, checksum FROM answers ORDER BY id").fetchall()
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
         if meta:
@@ -128,12 +129,44 @@ class Journal(Transcript):
                 self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
                     ("format", FORMAT), ("fingerprint", json.dumps(self.fingerprint, sort_keys=True)),
                     ("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))])
-        for rid, key, n, blob, chk in rows:
-            if _checksum(key, n, blob) != chk or n < 0 or (n and len(blob) % (8 * n)) or (not n and blob):
-                raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
-                                   "move it aside to start afresh")
-            y = np.frombuffer(blob, dtype="<f8").astype(np.float64)
-            self._answers[bytes(key)] = y if len(blob) == 8 * n else y.reshape(n, -1)   # vector answers: rows
+        # every record is checked now, row by row, and none is kept in memory: answers are read back from the
+        # file when asked for (a MiniLM block's stage A alone answers 5.4 million queries, 22 GB of float64)
+        try:
+            for rid, key, n, blob, chk in self._db.execute("SELECT id, key, n, answers, checksum FROM answers"):
+                self._unpack(rid, key, n, blob, chk)
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
+
+    def _unpack(self, rid, key, n, blob, chk) -> np.ndarray:
+        """One record's answers (n numbers, or n rows for vector answers), after its checksum."""
+        if _checksum(key, n, blob) != chk or n < 0 or (n and len(blob) % (8 * n)) or (not n and blob):
+            raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
+                               "move it aside to start afresh")
+        y = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+        return y if len(blob) == 8 * n else y.reshape(n, -1)              # vector answers: rows
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM answers").fetchone()[0])
+
+    @property
+    def queries(self) -> int:
+        """Answered rows (sequences for value answers), over every record."""
+        return int(self._db.execute("SELECT COALESCE(SUM(n), 0) FROM answers").fetchone()[0])
+
+    def lookup(self, key: bytes, n: int) -> np.ndarray | None:
+        """The answers recorded under ``key``, read from the file (checksum checked), if they have ``n`` rows
+        (as :meth:`Transcript.lookup`)."""
+        try:
+            row = self._db.execute("SELECT id, key, n, answers, checksum FROM answers WHERE key = ?",
+                                   (key,)).fetchone()
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path}: reading failed ({e})") from None
+        if row is None:
+            return None
+        y = self._unpack(*row)
+        if y.shape[0] != n and (y.ndim != 1 or n == 0 or y.size % n):
+            return None
+        return y
 
     def __repr__(self) -> str:
         return f"Journal({str(self.path)!r}, batches={len(self)})"
@@ -148,7 +181,6 @@ class Journal(Transcript):
                              (key, n, blob, _checksum(key, n, blob)))
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
-        super().record(key, y)
 
     def close(self) -> None:
         try:
