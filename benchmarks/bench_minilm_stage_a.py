@@ -20,7 +20,8 @@ Prints the reads' progress, then the heads against the checkpoint modulo the sym
 head (matched by the Hungarian method on ``P O_h``) the relative errors of ``P O_h`` (= ``P W_O^h V_h``),
 ``W_h`` (= ``K_h^T Q_h / sqrt(d_h)``) and ``c_h`` (= ``K_h^T b_Q^h / sqrt(d_h)``), median and worst; the head count
 read from the reads (``--heads auto``), the alternating least squares' residual and sweeps, queries, minutes.
-With float32 answers these heads are the start of the block refit (R), which this script does not run.
+With float32 answers these heads are the start of the block refit (R), which this script does not run;
+``--save`` keeps them (with the one-token parts they were read through, when loaded) for it.
 """
 
 from __future__ import annotations
@@ -74,13 +75,17 @@ def main() -> None:
                     help="truth | measured | a pickle of refitted one-token parts (bench_minilm_stage_f.py --save)")
     ap.add_argument("--heads", default="auto", help="H, or auto (read from the reads' rank, the method's default)")
     ap.add_argument("--points", type=int, default=None, help="base tokens (default 2 d + 8)")
+    ap.add_argument("--save", default=None, help="pickle the heads (with the one-token parts and B used) here")
     args = ap.parse_args()
+    if args.save is not None:
+        open(args.save, "ab").close()                   # the output path checked before the first query
     block = from_minilm(args.layer, dtype=np.float32 if args.dtype == "float32" else np.float64)
     truth = from_minilm(args.layer, dtype=np.float64)
     d = block.d
     oracle = ModelOracle(block)
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
+    saved, q_before, min_before = {}, 0, 0.0            # the loaded parts and what they cost in earlier runs
     if args.jacobian in ("truth", "measured"):
         ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
         eps = max(float(ln.sphere_residual), 1e-15)
@@ -91,6 +96,7 @@ def main() -> None:
     else:
         with open(args.jacobian, "rb") as fh:
             saved = pickle.load(fh)
+        q_before, min_before = int(saved["queries"]), float(saved["minutes"])
         vs, eps = saved["vs"], saved["precision"]
         jac = model_jacobian(saved["part"], saved["ln"], vs)
         print(f"loaded {args.jacobian}: the one-token map after {saved.get('refit', {}).get('refit_iterations', 0)} "
@@ -108,6 +114,11 @@ def main() -> None:
     att = extract_heads(oracle, vs, rng, heads=None if args.heads == "auto" else int(args.heads), precision=eps,
                         points=args.points, jacobian=jac, progress=progress)
     minutes = (time.perf_counter() - t1) / 60
+    if args.save is not None:                           # before the report: a finished stage is never lost
+        with open(args.save, "wb") as fh:
+            pickle.dump({**saved, "layer": args.layer, "dtype": args.dtype, "vs": vs, "precision": eps, "heads": att,
+                         "jacobian": args.jacobian, "queries": q_before + oracle.queries,
+                         "minutes": min_before + (time.perf_counter() - t0) / 60}, fh)
     per = head_errors(att, truth)
     i = att.info
     print(f"MiniLM block {args.layer}, {args.dtype}, Jacobian {args.jacobian}: {att.heads} heads "

@@ -1,0 +1,107 @@
+"""The block refit (R) on a real all-MiniLM-L6-v2 block (d = 384, 12 heads, FFN 1536), from the parts the
+stages before it recovered: how far the last step of ``--method block`` (float32 answers) takes the whole
+block at MiniLM's size, per iteration.
+
+    .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --save f.pkl
+    .venv/bin/python benchmarks/bench_minilm_stage_f.py --load f.pkl --refit-iterations 300 --save fplus.pkl
+    .venv/bin/python benchmarks/bench_minilm_stage_a.py --jacobian fplus.pkl --save a.pkl
+    .venv/bin/python benchmarks/bench_minilm_stage_r.py --load a.pkl --iterations 150
+
+``--load`` takes the parts ``bench_minilm_stage_a.py --jacobian FILE --save`` wrote (LN2, ``B``, LN1 and the
+FFN after the one-token refit F+, the heads of stage A read through F+'s one-token map), assembles the block
+(:func:`headthief.extraction.block.extract.assemble`) and refits every parameter
+(:func:`headthief.extraction.block.block_refit.refit_block`, scaled L-BFGS) to the answers the method asks
+for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
+:func:`~headthief.extraction.block.one_token_refit.random_queries` random one-token queries (30,792), for at
+most ``--iterations`` iterations. Prints the rms by evaluation, then before and after: the fidelity on fresh
+sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and every part against
+the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and
+neurons), queries and minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from headthief.extraction.block.extract import assemble, block_errors, parts_of
+from headthief.extraction.block.block_refit import REFIT_LENGTHS, refit_block, refit_counts
+from headthief.extraction.block.one_token_refit import random_queries
+from headthief.models.bert_block import from_minilm
+from headthief.oracles.base import ModelOracle
+
+PARTS = ("B_rel_err", "b_rel_err", "ln1_gamma_rel_err", "W1_rel_err", "W2_rel_err", "ffn_bias_rel_err",
+         "O_rel_err", "W_rel_err", "c_rel_err", "ln2_gamma_rel_err", "ln2_beta_rel_err")
+
+
+def fidelity(block, oracle, rng, d: int, n: int = 64) -> float:
+    """The largest error over every position of ``n`` fresh sequences of 1 to 16 tokens (norm sqrt(d)),
+    relative to the answers' rms."""
+    worst, sq, count = 0.0, 0.0, 0
+    for T in rng.integers(1, 17, n):
+        X = rng.standard_normal((1, int(T), d))
+        X *= np.sqrt(d) / np.linalg.norm(X, axis=2, keepdims=True)
+        Y = np.asarray(oracle.query(X))
+        worst = max(worst, float(np.max(np.abs(np.asarray(block.forward(X)) - Y))))
+        sq, count = sq + float(np.sum(Y * Y)), count + Y.size
+    return worst / np.sqrt(sq / count)
+
+
+def report(label: str, block, parts, truth, oracle, rng, d: int) -> None:
+    ln, vs, part, att = parts
+    errs = block_errors(SimpleNamespace(ln=ln, value=vs, ffn=part, attention=att), truth)
+    print(label)
+    print("  " + ", ".join(f"{k.replace('_rel_err', '')} {errs[k]:.2e}" for k in PARTS if k in errs))
+    print(f"  fidelity on fresh sequences {fidelity(block, oracle, rng, d):.3e}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", required=True, help="the parts bench_minilm_stage_a.py --jacobian FILE --save wrote")
+    ap.add_argument("--iterations", type=int, default=150, help="at most this many L-BFGS iterations")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    with open(args.load, "rb") as fh:
+        saved = pickle.load(fh)
+    if "part" not in saved:
+        raise SystemExit(f"{args.load} holds no one-token parts: write it with bench_minilm_stage_a.py "
+                         "--jacobian FILE (a refitted one-token map), not --jacobian truth or measured")
+    layer = int(saved["layer"])
+    block = from_minilm(layer, dtype=np.float32)
+    truth = from_minilm(layer, dtype=np.float64)
+    d, ffn = block.d, block.ffn
+    oracle = ModelOracle(block)
+    rng = np.random.default_rng(args.seed)
+    ln, vs, part, att = saved["ln"], saved["vs"], saved["part"], saved["heads"]
+    start = assemble(ln, vs, part, att)
+    print(f"loaded {args.load}: {saved['queries']} queries and {saved['minutes']:.1f} min before", flush=True)
+    report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d)
+    t0 = time.perf_counter()
+    q0 = oracle.queries
+    n1 = random_queries(d, ffn)
+    X1 = rng.standard_normal((n1, d))
+    X1 *= (np.sqrt(d) * rng.uniform(0.5, 1.5, n1) / np.linalg.norm(X1, axis=1))[:, None]
+    groups = [(X1[:, None, :], np.asarray(oracle.query_packed(X1[:, None, :]))[:, None, :])]
+    for T, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)):
+        X = rng.standard_normal((n, T, d))
+        X *= np.sqrt(d) / np.linalg.norm(X, axis=2, keepdims=True)
+        groups.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
+    print(f"answers: {oracle.queries - q0} queries ({n1} one-token, {sum(refit_counts(d, ffn))} sequences)", flush=True)
+
+    def progress(calls, rms):
+        print(f"  R evaluation {calls}: rms {rms:.3e}, {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+
+    fitted, info = refit_block(start, groups, max_iter=args.iterations, progress=progress, rng=rng)
+    print(f"R: {info['block_refit_iterations']} iterations, rms {info['block_refit_rms_before']:.3e} -> "
+          f"{info['block_refit_rms_after']:.3e}, {(time.perf_counter() - t0) / 60:.1f} min "
+          f"({info['block_refit_message']})", flush=True)
+    report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d)
+    print(f"in all {saved['queries'] + oracle.queries} queries, {saved['minutes'] + (time.perf_counter() - t0) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
