@@ -100,7 +100,8 @@ def main() -> None:
           f"{info['block_refit_rms_after']:.3e}, {(time.perf_counter() - t0) / 60:.1f} min "
           f"({info['block_refit_message']})", flush=True)
     report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d)
-    print(f"in all {saved['queries'] + oracle.queries} queries, {saved['minutes'] + (time.perf_counter() - t0) / 60:.1f} min")
+    print(f"in all {saved['queries'] + oracle.queries} queries, "
+          f"{saved['minutes'] + (time.perf_counter() - t0) / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 CHUNK = 500            # L-BFGS iterations per chunk
+CHECK = 100            # the refits look back this many iterations for the gain (at its rate: GAIN ** (CHECK / CHUNK))
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
 PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)
@@ -72,11 +73,15 @@ def signs(rng: np.random.Generator, shape) -> np.ndarray:
 
 
 def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: float = GAIN,
-                       scale: np.ndarray | None = None) -> tuple[np.ndarray, float, int, str]:
+                       scale: np.ndarray | None = None, check: int = CHUNK) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
     iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
-    improved on it). ``scale``: run in ``z = scale * theta`` (:func:`diagonal_scale`); theta is returned."""
+    improved on it). ``scale``: run in ``z = scale * theta`` (:func:`diagonal_scale`); theta is returned.
+    ``check`` < CHUNK: every ``check`` iterations, the last CHUNK iterations (across chunks) must have brought
+    the loss below ``gain`` x where it was, else the fit stops there: the same test on a window that slides by
+    ``check``, so at most CHUNK - ``check`` fewer iterations are spent without gain at the end (``check =
+    CHUNK``: the chunks' own test)."""
     from scipy.optimize import minimize
     if scale is not None:
         s = np.asarray(scale, dtype=np.float64)
@@ -84,19 +89,33 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
         def scaled(z):
             L, G = fun(z / s)
             return L, G / s
-        z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain)
+        z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain, check=check)
         return z / s, L1, iters, message
+    if not 1 <= int(check) <= CHUNK:
+        raise ValueError(f"check must be 1..{CHUNK} iterations, got {check}")
     theta, L1, iters, message = theta0, float(L0), 0, ""
+    seen = [L1]                                       # the loss after every iteration so far
+
+    def stalled(intermediate_result):
+        seen.append(float(intermediate_result.fun))
+        k = len(seen) - 1
+        if check < CHUNK and k >= CHUNK and k % check == 0 and seen[k] >= gain * seen[k - CHUNK]:
+            raise StopIteration                       # scipy ends the run there, with its current point
+
     while iters < max_iter:
-        sol = minimize(fun, theta, jac=True, method="L-BFGS-B",
+        start = L1
+        sol = minimize(fun, theta, jac=True, method="L-BFGS-B", callback=stalled,
                        options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
                                 "ftol": 0.0, "gtol": 0.0})
         iters += int(sol.nit)
+        del seen[iters + 1:]                          # the callback's count matches the iterations taken
         message = str(sol.message)
-        gained = float(sol.fun) < gain * L1
         if float(sol.fun) < L1:
             theta, L1 = sol.x, float(sol.fun)
-        if not gained or int(sol.nit) == 0:
+        if "StopIteration" in message:
+            message = f"the last {CHUNK} iterations gained less than {1 - gain:.3g} of the loss (checked every {check})"
+            break
+        if int(sol.nit) == 0 or (check == CHUNK and not float(sol.fun) < gain * start):
             break
     return theta, L1, iters, message
 
