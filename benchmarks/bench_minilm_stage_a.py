@@ -66,6 +66,26 @@ def head_errors(att, truth) -> list[dict]:
                     "c": rel(att.c[i], can.C[j])} for i, j in zip(rows, cols)), key=lambda r: r["head"])
 
 
+def _cache_reads(path: str) -> None:
+    """Stage A's reads (:func:`headthief.extraction.block.heads.reads`) kept in ``path``: computed and saved
+    when it does not exist, else loaded (for the stages after the reads, run again at no query cost)."""
+    import os
+
+    from headthief.extraction.block import heads as heads_module
+    sent = heads_module.reads
+
+    def cached(oracle, vs, X, dirs, t, *, progress=None):
+        if os.path.exists(path):
+            out = np.load(path)
+            if out.shape == (len(dirs), len(X), oracle.d_out):
+                print(f"  reads from {path}", flush=True)
+                return out
+        out = sent(oracle, vs, X, dirs, t, progress=progress)
+        np.save(path, out)
+        return out
+    heads_module.reads = cached
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", type=int, default=2)
@@ -75,6 +95,9 @@ def main() -> None:
                     help="truth | measured | a pickle of refitted one-token parts (bench_minilm_stage_f.py --save)")
     ap.add_argument("--heads", default="auto", help="H, or auto (read from the reads' rank, the method's default)")
     ap.add_argument("--points", type=int, default=None, help="base tokens (default 2 d + 8)")
+    ap.add_argument("--reads-cache", default=None,
+                    help="keep the reads (J_Phi r, 1.8 GB at d = 384) in this .npy file, or take them from it when it "
+                    "exists (same --seed and stages: no read is sent again; the queries count only those sent)")
     ap.add_argument("--save", default=None, help="pickle the heads (with the one-token parts and B used) here")
     args = ap.parse_args()
     if args.save is not None:
@@ -111,6 +134,8 @@ def main() -> None:
             print(f"  reads: {done} / {total} directions, {oracle.queries - q0} queries, "
                   f"{(time.perf_counter() - t1) / 60:.1f} min", flush=True)
 
+    if args.reads_cache is not None:
+        _cache_reads(args.reads_cache)
     att = extract_heads(oracle, vs, rng, heads=None if args.heads == "auto" else int(args.heads), precision=eps,
                         points=args.points, jacobian=jac, progress=progress)
     minutes = (time.perf_counter() - t1) / 60
