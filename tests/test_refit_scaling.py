@@ -58,3 +58,32 @@ def test_scaled_lbfgs_reaches_the_same_least_squares_solution_in_fewer_iteration
     scaled = minimize_in_chunks(fun, x0, L0, 3000, scale=scale)
     assert np.max(np.abs(scaled[0] - x_true)) <= 1e-6 * np.max(np.abs(x_true))
     assert scaled[2] < plain[2] and scaled[1] < plain[1]
+
+
+def test_a_sliding_check_stops_on_the_same_path_no_later():
+    """``check`` < CHUNK tests the last CHUNK iterations' gain every ``check`` iterations: the same L-BFGS path
+    (the chunks restart at the same points), cut no later than the chunks' own test, where that window gained
+    less than the rule asks."""
+    from headthief.extraction.block.lbfgs import CHUNK, GAIN
+    rng = np.random.default_rng(5)
+    J = rng.standard_normal((300, 100)) * np.logspace(0, -3, 100)
+    y = J @ rng.standard_normal(100) + 1e-3 * rng.standard_normal(300)
+    losses = []
+
+    def fun(x):
+        r = J @ x - y
+        losses.append(0.5 * float(r @ r))
+        return losses[-1], J.T @ r
+
+    x0 = np.zeros(100)
+    L0 = fun(x0)[0]
+    whole = minimize_in_chunks(fun, x0, L0, 5000)
+    cut = minimize_in_chunks(fun, x0, L0, 5000, check=100)
+    assert CHUNK <= cut[2] < whole[2] and cut[2] % 100 == 0 and "gained less than" in cut[3]
+    assert cut[1] >= whole[1]
+    same = minimize_in_chunks(fun, x0, L0, cut[2])             # the chunks' rule, stopped at that iteration
+    assert np.array_equal(same[0], cut[0]) and same[1] == cut[1]
+    ahead = minimize_in_chunks(fun, x0, L0, cut[2] - CHUNK)   # CHUNK iterations before the cut
+    assert cut[1] >= GAIN * ahead[1]
+    with pytest.raises(ValueError, match="check must be"):
+        minimize_in_chunks(fun, x0, L0, 10, check=0)

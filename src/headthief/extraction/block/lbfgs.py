@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 CHUNK = 500            # L-BFGS iterations per chunk
-CHECK = 100            # the refits look back this many iterations for the gain (at its rate: GAIN ** (CHECK / CHUNK))
+CHECK = 100            # the one-token refit tests the last CHUNK iterations' gain every CHECK iterations
+                       # (minimize_in_chunks); the block refit keeps the chunks' own test (see docs/block.md)
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
 PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)
@@ -120,4 +121,4 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     return theta, L1, iters, message
 
 
-__all__ = ["diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]
+__all__ = ["CHECK", "diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]
