@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import HeadthiefError, SpecError
-from .transcript import Transcript
+from .transcript import Transcript, has_rows
 
 FORMAT = "headthief-journal-1"
 
@@ -164,9 +164,7 @@ class Journal(Transcript):
         if row is None:
             return None
         y = self._unpack(*row)
-        if y.shape[0] != n and (y.ndim != 1 or n == 0 or y.size % n):
-            return None
-        return y
+        return y if has_rows(y, n) else None
 
     def __repr__(self) -> str:
         return f"Journal({str(self.path)!r}, batches={len(self)})"

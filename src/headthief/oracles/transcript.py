@@ -14,6 +14,12 @@ from pathlib import Path
 import numpy as np
 
 
+def has_rows(y: np.ndarray, n: int) -> bool:
+    """Whether recorded answers ``y`` answer a batch of ``n`` rows: n rows, or (as saved flat) n numbers or n
+    vectors flattened."""
+    return y.shape[0] == n or (y.ndim == 1 and n > 0 and y.size % n == 0)
+
+
 class Transcript:
     """Records (batch hash -> answers); saved and loaded as ``.npz``."""
 
@@ -32,7 +38,7 @@ class Transcript:
         """The answers recorded under ``key`` if they have ``n`` rows (or, as saved to .npz, n numbers
         or n vectors flattened; the oracle reshapes them)."""
         y = self._answers.get(key)
-        if y is None or (y.shape[0] != n and (y.ndim != 1 or n == 0 or y.size % n)):
+        if y is None or not has_rows(y, n):
             return None
         return y.copy()
 
