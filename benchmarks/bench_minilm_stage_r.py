@@ -12,7 +12,7 @@ FFN after the one-token refit F+, the heads of stage A read through F+'s one-tok
 (:func:`headthief.extraction.block.extract.assemble`) and refits every parameter
 (:func:`headthief.extraction.block.block_refit.refit_block`, scaled L-BFGS) to the answers the method asks
 for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
-:func:`~headthief.extraction.block.one_token_refit.random_queries` random one-token queries (30,792), for at
+:func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
 most ``--iterations`` iterations. Prints the rms by evaluation, then before and after: the fidelity on fresh
 sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and every part against
 the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and
@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from headthief.extraction.block.extract import assemble, block_errors, parts_of
-from headthief.extraction.block.block_refit import REFIT_LENGTHS, refit_block, refit_counts
-from headthief.extraction.block.one_token_refit import random_queries
+from headthief.extraction.block.extract import _refit_sequences, assemble, block_errors, parts_of
+from headthief.extraction.block.block_refit import refit_block, refit_counts
+from headthief.extraction.block.one_token_refit import random_answers
 from headthief.models.bert_block import from_minilm
 from headthief.oracles.base import ModelOracle
 
@@ -82,14 +82,9 @@ def main() -> None:
     report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d)
     t0 = time.perf_counter()
     q0 = oracle.queries
-    n1 = random_queries(d, ffn)
-    X1 = rng.standard_normal((n1, d))
-    X1 *= (np.sqrt(d) * rng.uniform(0.5, 1.5, n1) / np.linalg.norm(X1, axis=1))[:, None]
-    groups = [(X1[:, None, :], np.asarray(oracle.query_packed(X1[:, None, :]))[:, None, :])]
-    for T, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)):
-        X = rng.standard_normal((n, T, d))
-        X *= np.sqrt(d) / np.linalg.norm(X, axis=2, keepdims=True)
-        groups.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
+    X1, Y1 = random_answers(oracle, rng, scale=float(np.sqrt(d)), ffn=ffn)
+    n1 = len(X1)
+    groups = [(X1[:, None, :], Y1[:, None, :])] + _refit_sequences(oracle, rng, float(np.sqrt(d)), start)
     print(f"answers: {oracle.queries - q0} queries ({n1} one-token, {sum(refit_counts(d, ffn))} sequences)", flush=True)
 
     def progress(calls, rms):

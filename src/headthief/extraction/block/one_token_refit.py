@@ -123,6 +123,19 @@ def random_queries(d: int, ffn: int) -> int:
     return max(3000, 8 * params // d)
 
 
+def random_answers(oracle, rng: np.random.Generator, *, scale: float, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within the
+    input-norm bound when there is one) and their answers: ``(X (k, d), Y (k, d_out))``."""
+    d = oracle.d
+    k = random_queries(d, ffn)
+    Xr = rng.standard_normal((k, d))
+    norms = scale * rng.uniform(0.5, 1.5, (k, 1))
+    if oracle.input_norm is not None:
+        norms = np.minimum(norms, 0.99 * float(oracle.input_norm))
+    Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
+    return Xr, np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
+
+
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
                       scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
@@ -131,14 +144,8 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
     answers. Stage F's stencil answers are not used: they sit in
     small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
     random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s)."""
-    d, f = oracle.d, part.W1m.shape[0]
-    k = random_queries(d, f)
-    Xr = rng.standard_normal((k, d))
-    norms = scale * rng.uniform(0.5, 1.5, (k, 1))
-    if oracle.input_norm is not None:
-        norms = np.minimum(norms, 0.99 * float(oracle.input_norm))
-    Xr *= norms / np.linalg.norm(Xr, axis=1, keepdims=True)
-    Yr = np.asarray(oracle.query_packed(Xr[:, None, :]), dtype=np.float64)
+    Xr, Yr = random_answers(oracle, rng, scale=scale, ffn=part.W1m.shape[0])
+    k = len(Xr)
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
                                                      max_iter=max_iter, scaled=scaled)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
@@ -159,4 +166,4 @@ def model_jacobian(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum):
     return jac
 
 
-__all__ = ["loss_and_grad", "model_jacobian", "random_queries", "refit_from_oracle", "refit_one_token"]
+__all__ = ["loss_and_grad", "model_jacobian", "random_answers", "random_queries", "refit_from_oracle", "refit_one_token"]
