@@ -166,4 +166,5 @@ def model_jacobian(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum):
     return jac
 
 
-__all__ = ["loss_and_grad", "model_jacobian", "random_answers", "random_queries", "refit_from_oracle", "refit_one_token"]
+__all__ = ["loss_and_grad", "model_jacobian", "random_answers", "random_queries", "refit_from_oracle",
+           "refit_one_token"]
