@@ -20,7 +20,11 @@ and Richardson over the steps t, 2 t, 3 t (:func:`richardson`; S is even in t) l
 
 Over P base tokens, ``B^{-1} r`` is affine in x: ``A_e x + a_e`` with ``A_e = sum_h (B^{-1} O_h e)(W_h^T e)^T``,
 of **rank H**, and the null spaces leave ``A_e`` modulo ``mu I`` (one scale for all base tokens, fixed by
-that rank) and ``c1 v^T`` (the ones-component of each O_h, LN1's to ignore). From here it is linear algebra:
+that rank) and ``c1 v^T`` (the ones-component of each O_h, LN1's to ignore). ``[A_e, a_e]`` is fitted in output
+space, ``S_p = J_Psi(x_p) (A_e x_p + a_e)`` over all base tokens at once (:mod:`.read_fit`; ``fit="pullback"``
+pulls each token's read back through its own Jacobian's pseudo-inverse first, which multiplies coarse answers'
+noise by that token's weakest directions: on all-MiniLM-L6-v2's block 2, 0.9 % noise became a fit residual of
+0.65). From here it is linear algebra:
 
 1. a **read** per direction: ``F_e = [A_e, a_e] = L_e R_e^T`` with ``R_e``'s columns ``[W_h^T; c_h^T] e`` up to
    an unknown H x H mixing;
@@ -47,11 +51,13 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
+from .read_fit import fit_in_output_space
 from .value_sum import COARSE, ValueSum, one_token_jacobian
 
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
 READ_BATCH = 1 << 15     # pair sequences a reads' batch holds at most (directions x base tokens): at d = 384 the
                          # 769 x 776 pairs of one batch would hold 1.2 million tokens (their FFN alone 7 GB)
+FIT_TOL = 1e-12          # the reads' output-space fit settles to max(precision, this) (read_fit)
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
 
@@ -128,6 +134,13 @@ def reads(oracle: Oracle, vs: ValueSum, X: np.ndarray, dirs: np.ndarray, t: floa
         if progress is not None:
             progress(min(i + per, len(dirs)), len(dirs))
     return out
+
+
+def _pull_backs(Js: np.ndarray) -> np.ndarray:
+    """Each token's pseudo-inverse of its one-token Jacobian on its row space (rank d - 2: LN1's null space)."""
+    d = Js.shape[2]
+    U, S, Vt = np.linalg.svd(Js)
+    return np.einsum("pji,pkj->pik", Vt[:, :d - 2], U[:, :, :d - 2] / S[:, None, :d - 2])
 
 
 def _fit_reads(Zs: np.ndarray, X: np.ndarray, c0: np.ndarray, P1: np.ndarray) -> list[tuple[np.ndarray, float]]:
@@ -428,13 +441,15 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
 
 def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, heads: int | None, precision: float,
                   scale: float | None = None, points: int | None = None, step: float | None = None,
-                  jacobian=None, progress=None) -> Heads:
+                  jacobian=None, progress=None, fit: str = "output") -> Heads:
     """Stage A (see the module docstring). ``heads`` is H (d_h = d / H; None: read from the reads' rank);
     ``precision`` the answers' relative precision; ``scale`` the base tokens' norm (default sqrt(d));
     ``points`` the base tokens (default 2 d + 8: d + 8 left two d = 16 seeds at 1.1e-8 and 1.4e-8);
     ``jacobian``: ``x -> J_Psi(x)`` from the recovered one-token map, used in place of the measured
     Jacobians (no stencil queries; float32 answers, where the stencil's error is the reads' largest);
-    ``progress(done, total)``: the reads' directions sent so far (:func:`reads`)."""
+    ``progress(done, total)``: the reads' directions sent so far (:func:`reads`); ``fit``: ``"output"`` (the
+    reads' least-squares fit in output space, :mod:`.read_fit`) or ``"pullback"`` (each token's read pulled
+    back through its Jacobian's pseudo-inverse, then fitted: exact algebra, kept for comparison)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     d = oracle.d
@@ -453,12 +468,10 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     # 1. base tokens and their one-token Jacobians (row spaces)
     X = rng.standard_normal((Pn, d))
     X *= s / np.linalg.norm(X, axis=1, keepdims=True)
-    pulls = []
+    Js = np.empty((Pn, oracle.d_out, d))
     for p in range(Pn):
         Qb, _ = np.linalg.qr(rng.standard_normal((d, d)))
-        J = one_token_jacobian(oracle, X[p], Qb, h) if jacobian is None else jacobian(X[p])
-        U, S, Vt = np.linalg.svd(J)
-        pulls.append(Vt[:d - 2].T @ (U[:, :d - 2].T / S[:d - 2, None]))     # pseudo-inverse on the row space
+        Js[p] = one_token_jacobian(oracle, X[p], Qb, h) if jacobian is None else jacobian(X[p])
 
     # 2. reads: e_0, the basis e_1..e_d and e_0 + e_j
     E, _ = np.linalg.qr(rng.standard_normal((d, d)))
@@ -467,7 +480,13 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     dirs = np.vstack([e0[None], E, e0[None] + E])                          # (2 d + 1, d)
     JR = reads(oracle, vs, X, dirs, t, progress=progress)
     P1, Qc = _gauge(vs.c1)
-    fits = _fit_reads(np.einsum("pij,kpj->kpi", np.stack(pulls), JR), X, vs.c0, P1)   # B^{-1} r modulo the null space
+    if fit == "output":                                                  # B^{-1} r modulo the null space
+        Gs, res = fit_in_output_space(JR, X, Js, tol=max(eps, FIT_TOL), c1=vs.c1)
+        fits = list(zip(Gs, res.tolist()))
+    elif fit == "pullback":
+        fits = _fit_reads(np.einsum("pij,kpj->kpi", _pull_backs(Js), JR), X, vs.c0, P1)
+    else:
+        raise SpecError(f"fit must be 'output' or 'pullback', got {fit!r}")
     coarse = eps > COARSE
     H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, P1, Qc,
                                                            None if coarse else RANK_TOLERANCE * expected)
