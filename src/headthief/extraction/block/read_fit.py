@@ -33,6 +33,7 @@ import numpy as np
 from ...errors import ConvergenceError
 
 MAX_ITER = 1000          # conjugate-gradient iterations at most (measured: 75 at MiniLM's block 2, 30 to 60 at d = 16)
+WINDOW, STALL = 10, 1e-6  # a read has settled when WINDOW iterations lowered its objective by less than STALL of it
 BATCH = 64               # reads solved together (their products are batched; memory ~ 6 BATCH P d doubles)
 
 
@@ -51,8 +52,10 @@ def fit_in_output_space(S: np.ndarray, X: np.ndarray, J: np.ndarray, *, tol: flo
     null there, and a fit would spend the answers' noise on it).
 
     Preconditioned conjugate gradients from G = 0 (see the module docstring), until each read's
-    preconditioned normal residual is ``tol`` of its start; the component along the Jacobians' common null
-    space stays out of G. Raises :class:`~headthief.errors.ConvergenceError` after ``max_iter`` iterations."""
+    preconditioned normal residual is ``tol`` of its start, or its objective has settled (``WINDOW``
+    iterations lowered it by less than ``STALL`` of itself: with coarse answers the output stops moving long
+    before the normal residual reaches their precision, and what is left would fit their noise along the
+    Jacobians' weakest directions); the component along the Jacobians' common null space stays out of G. Raises :class:`~headthief.errors.ConvergenceError` after ``max_iter`` iterations."""
     S, X, J = np.asarray(S, dtype=float), np.asarray(X, dtype=float), np.asarray(J, dtype=float)
     K, Pn, d = S.shape[0], X.shape[0], X.shape[1]
     if S.shape[1] != Pn or J.shape != (Pn, S.shape[2], d):
@@ -88,6 +91,8 @@ def fit_in_output_space(S: np.ndarray, X: np.ndarray, J: np.ndarray, *, tol: flo
         rz = np.einsum("kij,kij->k", r, z)
         start = np.maximum(rz, 1e-300)
         live = rz > (tol * tol) * start
+        f = 0.5 * np.einsum("kpi,kpi->k", Sb, Sb) / Pn          # the objective 0.5 |S - J G xh|^2 / P at G = 0
+        gains = []
         for _ in range(max_iter):
             if not live.any():
                 break
@@ -95,11 +100,15 @@ def fit_in_output_space(S: np.ndarray, X: np.ndarray, J: np.ndarray, *, tol: flo
             alpha = np.where(live, rz / np.where(live, np.einsum("kij,kij->k", p, Ap), 1.0), 0.0)
             G += alpha[:, None, None] * p
             r -= alpha[:, None, None] * Ap
+            gains.append(0.5 * alpha * rz)                       # the objective's exact decrease in this step
+            f = f - gains[-1]
             z = precondition(r)
             rz_new = np.einsum("kij,kij->k", r, z)
             p = z + np.where(live, rz_new / np.maximum(rz, 1e-300), 0.0)[:, None, None] * p
             rz = rz_new
             live &= rz > (tol * tol) * start
+            if len(gains) >= WINDOW:                             # settled: the output no longer moves
+                live &= ~(np.sum(gains[-WINDOW:], axis=0) < STALL * f)
         else:
             if live.any():
                 worst = float(np.sqrt(np.max(rz[live] / start[live])))
