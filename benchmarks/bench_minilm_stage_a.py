@@ -68,7 +68,8 @@ def head_errors(att, truth) -> list[dict]:
 
 def _cache_reads(path: str) -> None:
     """Stage A's reads (:func:`headthief.extraction.block.heads.reads`) kept in ``path``: computed and saved
-    when it does not exist, else loaded (for the stages after the reads, run again at no query cost)."""
+    when it does not exist, else loaded (for the stages after the reads, run again at no query cost); their
+    output-space fit likewise in ``path + ".fit.npz"``."""
     import os
 
     from headthief.extraction.block import heads as heads_module
@@ -84,6 +85,20 @@ def _cache_reads(path: str) -> None:
         np.save(path, out)
         return out
     heads_module.reads = cached
+    fitted, fits = heads_module.fit_in_output_space, path + ".fit.npz"
+
+    def cached_fit(S, X, J, **kw):                      # the reads' output-space fit (50 min of one core) kept too
+        if os.path.exists(fits):
+            z = np.load(fits)
+            if z["G"].shape == (len(S), X.shape[1], X.shape[1] + 1):
+                print(f"  reads' fit from {fits}", flush=True)
+                return z["G"], z["res"]
+        t = time.perf_counter()
+        G, res = fitted(S, X, J, **kw)
+        print(f"  reads' output-space fit: {(time.perf_counter() - t) / 60:.1f} min", flush=True)
+        np.savez(fits, G=G, res=res)
+        return G, res
+    heads_module.fit_in_output_space = cached_fit
 
 
 def main() -> None:

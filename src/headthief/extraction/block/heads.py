@@ -57,6 +57,7 @@ from .value_sum import COARSE, ValueSum, one_token_jacobian
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
 READ_BATCH = 1 << 15     # pair sequences a reads' batch holds at most (directions x base tokens): at d = 384 the
                          # 769 x 776 pairs of one batch would hold 1.2 million tokens (their FFN alone 7 GB)
+COARSE_POLISH = 1e-3     # the heads' polish stops, for coarse reads, when 5 sweeps in a row gain less than this
 FIT_TOL = 1e-12          # the reads' output-space fit settles to max(precision, this) (read_fit)
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
@@ -426,7 +427,9 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     Lall = np.stack([Fk @ np.linalg.pinv(np.stack([What[g] @ e for g in range(H)], axis=1)).T
                      for Fk, e in zip(F, dirs)])                         # (reads, d, H): Otilde_h e per read
     Ot = np.stack([np.linalg.lstsq(dirs, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
-    Ot, What, polish = _polish(F, dirs, Ot, What, dh)
+    # coarse reads (noise ~1e-2 of their size): sweeps that gain less than 1e-3 of the residual do not move the
+    # start the block refit needs, and at MiniLM's size one sweep is 175 GFLOP (d = 16: 116 - 283 sweeps at 1e-6)
+    Ot, What, polish = _polish(F, dirs, Ot, What, dh, tol=COARSE_POLISH if coarse else 1e-6)
     PO = np.einsum("ij,gjk->gik", vs.B, Ot)                              # P O_h up to each head's scale
     target = vs.B - (np.eye(d) - np.ones((d, d)) / d)
     kappa, *_ = np.linalg.lstsq(PO.reshape(H, -1).T, target.reshape(-1), rcond=None)
