@@ -179,9 +179,9 @@ def test_planned_arithmetic_stops_minilm_sized_runs_and_not_the_sizes_run_here()
         for coarse in (False, True):
             assert not over_limit(planned(d, ffn, probes=_probes(d, ffn, "auto"), coarse=coarse), MAX_TFLOP)
     big = planned(384, 1536, probes=True, coarse=True)
-    assert over_limit(big, 1000.0) and set(big) == {"F span", "F+ one-token refit", "R block refit", "A pull-backs",
+    assert over_limit(big, 1000.0) and set(big) == {"F span", "F+ one-token refit", "R block refit", "A reads fit",
                                                     "A polish"}
-    assert set(planned(384, 1536, probes=True, coarse=False)) == {"F span", "A pull-backs", "A polish"}
+    assert set(planned(384, 1536, probes=True, coarse=False)) == {"F span", "A reads fit", "A polish"}
     assert planned(384, 1536, probes=True, coarse=False)["F span"] == big["F span"]
     assert ht.Options().max_tflop == MAX_TFLOP                  # the CLI's default is the method's
 

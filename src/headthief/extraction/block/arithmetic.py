@@ -25,9 +25,9 @@ Counted (a multiply-add is two operations; the leading terms of the code's own l
   (about 650 would reach 1e-4 at the last rate), so the plan's 4,500 is an upper bound there.
 * **R, block refit** (coarse answers, :mod:`.block_refit`): the same over its sequences' positions,
   ``8 d^2 + 4 d ffn + 4 L d`` a position's forward in a sequence of L tokens.
-* **A, pull-backs** (:mod:`.heads`): a d x d product per read, 3 step sizes x (2 d + 8) bases x (2 d + 1)
-  directions, and the reads' affine fits (one least squares of ``(P - d - 1) d x P`` rows and columns, P = 2 d + 8
-  bases, for all reads at once).
+* **A, the reads' fit** (:mod:`.read_fit`): ``FIT_ITERATIONS`` conjugate-gradient steps, each ``8 K P d^2``
+  (the Jacobians and base tokens applied forward and back to every read, K = 2 d + 1 reads, P = 2 d + 8 base
+  tokens) and ``4 K d^3`` (the preconditioner). Measured at MiniLM's block 2: 50 - 75 steps; 26 TFLOP at 75.
 * **A, polish** (:func:`.heads._polish`): ``POLISH_SWEEPS`` sweeps, each two products of the reads against the
   factors (``10 K d^2 (d + 1)``, K = 2 d + 1 reads) and two Q steps by conjugate gradients (``POLISH_CG`` steps of
   ``12 K d^2``).
@@ -42,6 +42,7 @@ SPAN_STEPS = 100          # Anderson-mixed span steps (measured 40 - 130 at d = 
                           # the probe route's orthogonal points, d = 32 and 64: kept at 100, not measured at d = 384)
 REFIT_ITERATIONS = 4500   # L-BFGS iterations of either refit (the most measured, d = 16 and 32, float32)
 POLISH_SWEEPS = 150       # stage A's alternating least squares sweeps (measured: 122 at d = 64, float64)
+FIT_ITERATIONS = 100      # the reads' output-space fit's steps (measured 50 - 75 at MiniLM's block 2, float32 and 64)
 POLISH_CG = 30            # conjugate-gradient steps of its Q step beyond d = 45 (heads._inner_cg; assumed)
 MAX_TFLOP = 100.0         # the default limit (--max-tflop): hours at most on a 2-core machine
 
@@ -53,7 +54,7 @@ def _svd(m: int, n: int) -> float:
 
 def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]:
     """Floating-point operations of the stages after V (module docstring), by stage: ``F span``,
-    ``F+ one-token refit`` and ``R block refit`` (coarse answers only), ``A pull-backs``."""
+    ``F+ one-token refit`` and ``R block refit`` (coarse answers only), ``A reads fit``, ``A polish``."""
     from .block_refit import REFIT_LENGTHS, refit_counts
     from .ffn_probes import inside_count, orthogonal_points, probe_count
     from .one_token_refit import random_queries
@@ -79,7 +80,7 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
                         for L, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)))
         out["R block refit"] = REFIT_ITERATIONS * (positions + one * random_queries(d, ffn))
     Pn, K = 2 * d + 8, 2 * d + 1
-    out["A pull-backs"] = 3.0 * Pn * K * 2.0 * d * d + 4.0 * (Pn - d - 1) * d * Pn * (Pn + K)
+    out["A reads fit"] = FIT_ITERATIONS * (8.0 * K * Pn * d * d + 4.0 * K * d ** 3)
     out["A polish"] = POLISH_SWEEPS * (10.0 * K * d * d * (d + 1) + POLISH_CG * 12.0 * K * d * d)
     return out
 
@@ -94,5 +95,5 @@ def over_limit(plan: dict[str, float], max_tflop: float) -> bool:
     return sum(plan.values()) > float(max_tflop) * 1e12
 
 
-__all__ = ["MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit",
+__all__ = ["FIT_ITERATIONS", "MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit",
            "planned"]
