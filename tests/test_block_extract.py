@@ -106,6 +106,20 @@ def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
         extract_heads(oracle, vs, rng, heads=5, **few)
     with pytest.raises(NotIdentifiable, match="2 H <= d - 1"):
         extract_heads(oracle, vs, rng, heads=12, **few)
+    before = oracle.queries
+    with pytest.raises(SpecError, match="fit must be 'output' or 'pullback'"):
+        extract_heads(oracle, vs, rng, heads=4, fit="pulled", **few)
+    assert oracle.queries == before                                      # refused before the first query
+
+
+def test_stage_a_pull_back_fit_agrees_on_exact_answers():
+    block = random_block(D, H, FFN, seed=36)
+    oracle = ModelOracle(block)
+    vs = value_sum(oracle, np.random.default_rng(36), precision=2.0 ** -53)
+    out = extract_heads(oracle, vs, np.random.default_rng(37), heads=H, precision=2.0 ** -53)
+    pull = extract_heads(oracle, vs, np.random.default_rng(37), heads=H, precision=2.0 ** -53, fit="pullback")
+    for att in (out, pull):
+        assert head_errors(att, block) <= 100 * att.info["heads_residual"] <= 1e-6
 
 
 @pytest.mark.parametrize("stage_f", ["auto", "probes"])

@@ -95,5 +95,5 @@ def over_limit(plan: dict[str, float], max_tflop: float) -> bool:
     return sum(plan.values()) > float(max_tflop) * 1e12
 
 
-__all__ = ["FIT_ITERATIONS", "MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe", "over_limit",
-           "planned"]
+__all__ = ["FIT_ITERATIONS", "MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe",
+           "over_limit", "planned"]

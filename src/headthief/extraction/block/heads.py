@@ -455,6 +455,8 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     back through its Jacobian's pseudo-inverse, then fitted: exact algebra, kept for comparison)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    if fit not in ("output", "pullback"):
+        raise SpecError(f"fit must be 'output' or 'pullback', got {fit!r}")
     d = oracle.d
     if heads is not None:
         _check_heads(int(heads), d)
@@ -486,10 +488,8 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     if fit == "output":                                                  # B^{-1} r modulo the null space
         Gs, res = fit_in_output_space(JR, X, Js, tol=max(eps, FIT_TOL), c1=vs.c1)
         fits = list(zip(Gs, res.tolist()))
-    elif fit == "pullback":
-        fits = _fit_reads(np.einsum("pij,kpj->kpi", _pull_backs(Js), JR), X, vs.c0, P1)
     else:
-        raise SpecError(f"fit must be 'output' or 'pullback', got {fit!r}")
+        fits = _fit_reads(np.einsum("pij,kpj->kpi", _pull_backs(Js), JR), X, vs.c0, P1)
     coarse = eps > COARSE
     H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, P1, Qc,
                                                            None if coarse else RANK_TOLERANCE * expected)

@@ -55,7 +55,8 @@ def fit_in_output_space(S: np.ndarray, X: np.ndarray, J: np.ndarray, *, tol: flo
     preconditioned normal residual is ``tol`` of its start, or its objective has settled (``WINDOW``
     iterations lowered it by less than ``STALL`` of itself: with coarse answers the output stops moving long
     before the normal residual reaches their precision, and what is left would fit their noise along the
-    Jacobians' weakest directions); the component along the Jacobians' common null space stays out of G. Raises :class:`~headthief.errors.ConvergenceError` after ``max_iter`` iterations."""
+    Jacobians' weakest directions); the component along the Jacobians' common null space stays out of G.
+    Raises :class:`~headthief.errors.ConvergenceError` after ``max_iter`` iterations."""
     S, X, J = np.asarray(S, dtype=float), np.asarray(X, dtype=float), np.asarray(J, dtype=float)
     K, Pn, d = S.shape[0], X.shape[0], X.shape[1]
     if S.shape[1] != Pn or J.shape != (Pn, S.shape[2], d):
