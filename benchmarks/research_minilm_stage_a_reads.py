@@ -26,6 +26,8 @@ from headthief.extraction.block.value_sum import with_map
 from headthief.models.bert_block import from_minilm
 from headthief.oracles.base import ModelOracle
 
+from bench_minilm_stage_a import true_jacobian  # the checkpoint's float64 one-token Jacobian (this directory)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,19 +59,12 @@ def main() -> None:
     print(f"B within {np.linalg.norm(vs.B - vs_true.B) / np.linalg.norm(vs_true.B):.2e} (stage V), condition number "
           f"{np.linalg.cond(Bt):.0f}; answers' precision {eps:.2g}, the method's step {own:.3g}", flush=True)
 
-    def jacobian(x):
-        h = 1e-6 * float(np.linalg.norm(x))
-        Y = truth.forward(np.vstack([x + np.eye(d) * h, x - np.eye(d) * h])[:, None, :])[:, 0]
-        return ((Y[:d] - Y[d:]) / (2 * h)).T
-
-    pulls = []
-    for p in range(Pn):
-        U, S, Vt = np.linalg.svd(jacobian(X[p]))
-        if p == 0:
-            print(f"J_Psi at base token 0: singular values {S[0]:.3g} (first), {np.median(S):.3g} (median), "
-                  f"{S[d - 3]:.3g} (the (d-2)-th)", flush=True)
-        pulls.append(Vt[:d - 2].T @ (U[:, :d - 2].T / S[:d - 2, None]))
-    pulls = np.stack(pulls)
+    jacobian = true_jacobian(truth)
+    Js = np.stack([jacobian(X[p]) for p in range(Pn)])
+    S = np.linalg.svd(Js[0], compute_uv=False)
+    print(f"J_Psi at base token 0: singular values {S[0]:.3g} (first), {np.median(S):.3g} (median), "
+          f"{S[d - 3]:.3g} (the (d-2)-th)", flush=True)
+    pulls = hm._pull_backs(Js)                                 # as extract_heads(fit="pullback") pulls back
 
     def residual(R, v):
         P1, _ = hm._gauge(v.c1)
