@@ -13,7 +13,8 @@ FFN after the one-token refit F+, the heads of stage A read through F+'s one-tok
 (:func:`headthief.extraction.block.block_refit.refit_block`, scaled L-BFGS) to the answers the method asks
 for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
 :func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
-most ``--iterations`` iterations. Prints the rms by evaluation, then before and after: the fidelity on fresh
+most ``--iterations`` iterations (``--save``: the refitted block, pickled). Prints the rms by evaluation, then
+before and after: the fidelity on fresh
 sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and every part against
 the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and
 neurons), queries and minutes.
@@ -64,7 +65,10 @@ def main() -> None:
     ap.add_argument("--load", required=True, help="the parts bench_minilm_stage_a.py --jacobian FILE --save wrote")
     ap.add_argument("--iterations", type=int, default=150, help="at most this many L-BFGS iterations")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--save", default=None, help="pickle the refitted block (and what it cost) here")
     args = ap.parse_args()
+    if args.save is not None:
+        open(args.save, "ab").close()                   # the output path checked before the first query
     with open(args.load, "rb") as fh:
         saved = pickle.load(fh)
     if "part" not in saved:
@@ -94,6 +98,11 @@ def main() -> None:
     print(f"R: {info['block_refit_iterations']} iterations, rms {info['block_refit_rms_before']:.3e} -> "
           f"{info['block_refit_rms_after']:.3e}, {(time.perf_counter() - t0) / 60:.1f} min "
           f"({info['block_refit_message']})", flush=True)
+    if args.save is not None:                           # before the report: a finished refit is never lost
+        with open(args.save, "wb") as fh:
+            pickle.dump({"layer": layer, "block": fitted, "info": info, "ln": ln, "vs": vs, "part": part,
+                         "heads": att, "queries": saved["queries"] + oracle.queries,
+                         "minutes": saved["minutes"] + (time.perf_counter() - t0) / 60}, fh)
     report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d)
     print(f"in all {saved['queries'] + oracle.queries} queries, "
           f"{saved['minutes'] + (time.perf_counter() - t0) / 60:.1f} min")

@@ -48,6 +48,8 @@ def test_block_loss_is_the_block_and_its_gradient_is_exact():
     # the loss's forward pass is the block's own (equivalent form: beta_1 = b_K = b_V = 0)
     same = random_block(8, 2, 6, seed=1).forward(X)
     assert block_refit.loss_and_grad(theta, shapes, [(X, same)])[0] <= 1e-20
+    one = rng.standard_normal((5, 1, 8))          # one-token sequences take their own path (z = v)
+    assert block_refit.loss_and_grad(theta, shapes, [(one, random_block(8, 2, 6, seed=1).forward(one))])[0] <= 1e-20
     groups = [(rng.standard_normal((3, 1, 8)), rng.standard_normal((3, 1, 8))), (X, rng.standard_normal(X.shape))]
     L, G = block_refit.loss_and_grad(theta, shapes, groups)
     num = _numeric_grad(lambda t: block_refit.loss_and_grad(t, shapes, groups)[0], theta)

@@ -66,39 +66,47 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     def to_params(G):                  # (N, H, T, dh) against X -> (H, dh, d): the transpose of heads()
         return (G.transpose(1, 3, 0, 2).reshape(H * dh, N * T) @ Xf).reshape(H, dh, d)
 
-    q = heads(p["Q"]) + p["bq"][None, :, None, :]
-    k = heads(p["K"])
     v = heads(p["V"])
-    S = (q @ k.swapaxes(-1, -2)) * sq
-    S = S - S.max(axis=-1, keepdims=True)
-    A = np.exp(S)
-    A /= A.sum(axis=-1, keepdims=True)
-    z = A @ v                                                                # (N, H, T, dh)
-    zc = z.transpose(0, 2, 1, 3).reshape(N, T, H * dh)
-    pre = X + zc @ p["Wo"].T + p["bo"]
-    n1, r1 = normalize(pre)
+    if T == 1:                         # one token attends to itself alone: z = v, and Q, K, bq get no gradient
+        z = v
+    else:
+        q = heads(p["Q"]) + p["bq"][None, :, None, :]
+        k = heads(p["K"])
+        S = (q @ k.swapaxes(-1, -2)) * sq
+        S = S - S.max(axis=-1, keepdims=True)
+        A = np.exp(S)
+        A /= A.sum(axis=-1, keepdims=True)
+        z = A @ v                                                            # (N, H, T, dh)
+    # every product below on positions flattened to (N*T, .): one BLAS call each (numpy's matmul on (N, T, d)
+    # stacks loops over N, 1.6 - 1.7x slower measured at MiniLM's size, and per token for one-token groups)
+    zc = z.transpose(0, 2, 1, 3).reshape(N * T, H * dh)
+    n1, r1 = normalize(Xf + zc @ p["Wo"].T + p["bo"])
     zz = n1 * p["g1"]
     s = zz @ p["W1"].T + p["b1"]
     Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
     g = s * Phi
     n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"])
-    res = n2 * p["g2"] + p["be2"] - Y
+    res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
     L = 0.5 * float(np.sum(res * res))
-    flat = lambda a: a.reshape(N * T, a.shape[-1])                           # noqa: E731
-    grads["g2"] += np.sum(res * n2, axis=(0, 1))
-    grads["be2"] += res.sum(axis=(0, 1))
+    grads["g2"] += np.sum(res * n2, axis=0)
+    grads["be2"] += res.sum(axis=0)
     du = normalize_back(res * p["g2"], n2, r2)
-    ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
-    grads["W2"] += flat(du).T @ flat(g)
-    grads["b2"] += du.sum(axis=(0, 1))
-    grads["W1"] += flat(ds).T @ flat(zz)
-    grads["b1"] += ds.sum(axis=(0, 1))
+    s *= np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi))                # s is not needed past here
+    Phi += s                                                                  # GELU'(s)
+    ds = (du @ p["W2"]) * Phi
+    grads["W2"] += du.T @ g
+    grads["b2"] += du.sum(axis=0)
+    grads["W1"] += ds.T @ zz
+    grads["b1"] += ds.sum(axis=0)
     dzz = du + ds @ p["W1"]
-    grads["g1"] += np.sum(dzz * n1, axis=(0, 1))
+    grads["g1"] += np.sum(dzz * n1, axis=0)
     dpre = normalize_back(dzz * p["g1"], n1, r1)
-    grads["bo"] += dpre.sum(axis=(0, 1))
-    grads["Wo"] += flat(dpre).T @ flat(zc)
+    grads["bo"] += dpre.sum(axis=0)
+    grads["Wo"] += dpre.T @ zc
     dz = (dpre @ p["Wo"]).reshape(N, T, H, dh).transpose(0, 2, 1, 3)         # (N, H, T, dh)
+    if T == 1:
+        grads["V"] += to_params(dz)
+        return L
     dA = dz @ v.swapaxes(-1, -2)
     dv = A.swapaxes(-1, -2) @ dz
     dS = A * (dA - np.sum(dA * A, axis=-1)[..., None]) * sq
