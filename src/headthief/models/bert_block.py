@@ -175,8 +175,9 @@ class BertBlock:
         X = np.asarray(X, dtype=dt)
         a = self.attention.forward(X).astype(dt)          # computed in dt, handed back as float64: exact
         z = layer_norm(X + a, self.ln1_gamma, self.ln1_beta, self.eps)
-        s = z @ self.W1.T + self.b1
-        f = _activation(self.activation, s) @ self.W2.T + self.b2
+        flat = z.reshape(-1, z.shape[-1])                 # every position in one BLAS product (not one per sequence)
+        s = (flat @ self.W1.T + self.b1).reshape(*z.shape[:-1], -1)
+        f = (_activation(self.activation, s).reshape(flat.shape[0], -1) @ self.W2.T + self.b2).reshape(z.shape)
         y = layer_norm(z + f, self.ln2_gamma, self.ln2_beta, self.eps)
         return {"a": a, "z": z, "s": s, "f": f, "y": y}
 
