@@ -13,11 +13,11 @@ FFN after the one-token refit F+, the heads of stage A read through F+'s one-tok
 (:func:`headthief.extraction.block.block_refit.refit_block`, scaled L-BFGS) to the answers the method asks
 for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
 :func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
-most ``--iterations`` iterations (``--save``: the refitted block, pickled). Prints the rms by evaluation, then
-before and after: the fidelity on fresh
-sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and every part against
-the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and
-neurons), queries and minutes.
+most ``--iterations`` iterations. ``--save`` pickles the refitted block; given to ``--load``, R goes on from
+it (its L-BFGS memory and scaling drawn afresh). Prints the rms by evaluation, then before and after: the
+fidelity on fresh sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and
+every part against the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`,
+worst over heads and neurons), queries and minutes.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def report(label: str, block, parts, truth, oracle, rng, d: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--load", required=True, help="the parts bench_minilm_stage_a.py --jacobian FILE --save wrote")
+    ap.add_argument("--load", required=True,
+                    help="the parts bench_minilm_stage_a.py --jacobian FILE --save wrote, or this script's --save")
     ap.add_argument("--iterations", type=int, default=150, help="at most this many L-BFGS iterations")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", default=None, help="pickle the refitted block (and what it cost) here")
@@ -81,9 +82,15 @@ def main() -> None:
     oracle = ModelOracle(block)
     rng = np.random.default_rng(args.seed)
     ln, vs, part, att = saved["ln"], saved["vs"], saved["part"], saved["heads"]
-    start = assemble(ln, vs, part, att)
     print(f"loaded {args.load}: {saved['queries']} queries and {saved['minutes']:.1f} min before", flush=True)
-    report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d)
+    if "block" in saved:                                # this script's own --save: R goes on from its block
+        start = saved["block"]
+        ln, vs, part, att = parts_of(start, ln, vs, part, att)
+        report(f"the block after {saved['info']['block_refit_iterations']} R iterations:", start,
+               (ln, vs, part, att), truth, oracle, rng, d)
+    else:
+        start = assemble(ln, vs, part, att)
+        report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d)
     t0 = time.perf_counter()
     q0 = oracle.queries
     X1, Y1 = random_answers(oracle, rng, scale=float(np.sqrt(d)), ffn=ffn)
