@@ -15,9 +15,11 @@ for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 3
 :func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
 most ``--iterations`` iterations. ``--save`` pickles the refitted block; given to ``--load``, R goes on from
 it (its L-BFGS memory and scaling drawn afresh). Prints the rms by evaluation, then before and after: the
-fidelity on fresh sequences of 1 to 16 tokens (max |y - y_real| over the answers' rms, every position), and
-every part against the checkpoint modulo the symmetries (:func:`headthief.extraction.block.block_errors`,
-worst over heads and neurons), queries and minutes.
+fidelity (max |y - y_real| over the answers' rms, every position) on fresh sequences of 1 to 16 tokens of
+norm sqrt(d), on the 285 shipped sentences' ``hidden_states[L]`` in the real model and on fresh sequences on
+the previous LayerNorm's image (the issue's two measures), and every part against the checkpoint modulo the
+symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and neurons), queries and
+minutes.
 """
 
 from __future__ import annotations
@@ -52,19 +54,58 @@ def fidelity(block, oracle, rng, d: int, n: int = 64) -> float:
     return worst / np.sqrt(sq / count)
 
 
-def report(label: str, block, parts, truth, oracle, rng, d: int) -> None:
+def fidelity_on(block, oracle, sequences) -> float:
+    """The largest error over every position of ``sequences`` (each (T, d)), relative to the answers' rms."""
+    worst, sq, count = 0.0, 0.0, 0
+    for X in sequences:
+        Y = np.asarray(oracle.query(X[None]))
+        worst = max(worst, float(np.max(np.abs(np.asarray(block.forward(X[None])) - Y))))
+        sq, count = sq + float(np.sum(Y * Y)), count + Y.size
+    return worst / np.sqrt(sq / count)
+
+
+def acceptance_inputs(layer: int, rng, n: int = 64) -> tuple[list, list]:
+    """The issue's two input sets for block ``layer``: every shipped sentence's ``hidden_states[layer]`` in
+    the real model (the inputs the real block sees), and ``n`` fresh sequences of 1 to 16 random tokens on
+    the previous LayerNorm's image (``gamma n + beta``, ``mean(n) = 0``, ``|n| = sqrt(d)``; the embeddings'
+    LayerNorm for block 0)."""
+    from headthief.models.bert_block import _minilm_tensors
+    from headthief.targets.sentences import hidden_states_of_sentences, load_sentences
+    real = hidden_states_of_sentences(load_sentences())[layer]
+    if layer == 0:
+        t = _minilm_tensors()
+        gamma, beta = t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"]
+    else:
+        prev = from_minilm(layer - 1, dtype=np.float64)
+        gamma, beta = prev.ln2_gamma, prev.ln2_beta
+    image = []
+    for T in rng.integers(1, 17, n):
+        u = rng.standard_normal((int(T), len(beta)))
+        u -= u.mean(axis=1, keepdims=True)
+        u *= np.sqrt(len(beta)) / np.linalg.norm(u, axis=1, keepdims=True)
+        image.append(np.asarray(gamma, np.float64) * u + np.asarray(beta, np.float64))
+    return real, image
+
+
+def report(label: str, block, parts, truth, oracle, rng, d: int, inputs=None) -> None:
     ln, vs, part, att = parts
     errs = block_errors(SimpleNamespace(ln=ln, value=vs, ffn=part, attention=att), truth)
     print(label)
     print("  " + ", ".join(f"{k.replace('_rel_err', '')} {errs[k]:.2e}" for k in PARTS if k in errs))
     print(f"  fidelity on fresh sequences {fidelity(block, oracle, rng, d):.3e}", flush=True)
+    if inputs is not None:
+        real, image = inputs
+        print(f"  fidelity on the {len(real)} sentences' hidden states {fidelity_on(block, oracle, real):.3e}, "
+              f"on {len(image)} fresh sequences on the previous LayerNorm's image "
+              f"{fidelity_on(block, oracle, image):.3e}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", required=True,
                     help="the parts bench_minilm_stage_a.py --jacobian FILE --save wrote, or this script's --save")
-    ap.add_argument("--iterations", type=int, default=150, help="at most this many L-BFGS iterations")
+    ap.add_argument("--iterations", type=int, default=150,
+                    help="at most this many L-BFGS iterations (0: only the figures of the loaded block)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", default=None, help="pickle the refitted block (and what it cost) here")
     args = ap.parse_args()
@@ -83,14 +124,19 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     ln, vs, part, att = saved["ln"], saved["vs"], saved["part"], saved["heads"]
     print(f"loaded {args.load}: {saved['queries']} queries and {saved['minutes']:.1f} min before", flush=True)
+    inputs = acceptance_inputs(layer, np.random.default_rng(args.seed + 1))
     if "block" in saved:                                # this script's own --save: R goes on from its block
         start = saved["block"]
         ln, vs, part, att = parts_of(start, ln, vs, part, att)
         report(f"the block after {saved['info']['block_refit_iterations']} R iterations:", start,
-               (ln, vs, part, att), truth, oracle, rng, d)
+               (ln, vs, part, att), truth, oracle, rng, d, inputs)
     else:
         start = assemble(ln, vs, part, att)
-        report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d)
+        report("the assembled block (the stages' parts):", start, (ln, vs, part, att), truth, oracle, rng, d,
+               inputs)
+    if args.iterations == 0:
+        print(f"(--iterations 0: no refit; {oracle.queries} queries for the figures above)")
+        return
     t0 = time.perf_counter()
     q0 = oracle.queries
     X1, Y1 = random_answers(oracle, rng, scale=float(np.sqrt(d)), ffn=ffn)
@@ -110,7 +156,8 @@ def main() -> None:
             pickle.dump({"layer": layer, "block": fitted, "info": info, "ln": ln, "vs": vs, "part": part,
                          "heads": att, "queries": saved["queries"] + oracle.queries,
                          "minutes": saved["minutes"] + (time.perf_counter() - t0) / 60}, fh)
-    report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d)
+    report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d,
+           inputs)
     print(f"in all {saved['queries'] + oracle.queries} queries, "
           f"{saved['minutes'] + (time.perf_counter() - t0) / 60:.1f} min")
 
