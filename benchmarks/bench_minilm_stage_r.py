@@ -13,7 +13,8 @@ FFN after the one-token refit F+, the heads of stage A read through F+'s one-tok
 (:func:`headthief.extraction.block.block_refit.refit_block`, scaled L-BFGS) to the answers the method asks
 for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
 :func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
-most ``--iterations`` iterations. ``--save`` pickles the refitted block; given to ``--load``, R goes on from
+most ``--iterations`` iterations. ``--save`` pickles the refitted block (and, every 50 evaluations, the
+block so far: a run cut short keeps its progress); given to ``--load``, R goes on from
 it (its L-BFGS memory and scaling drawn afresh). Prints the rms by evaluation, then before and after: the
 fidelity (max |y - y_real| over the answers' rms, every position) on fresh sequences of 1 to 16 tokens of
 norm sqrt(d), on the 285 shipped sentences' ``hidden_states[L]`` in the real model and on fresh sequences on
@@ -25,6 +26,7 @@ minutes.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import time
 from types import SimpleNamespace
@@ -143,15 +145,28 @@ def main() -> None:
     def progress(calls, rms):
         print(f"  R evaluation {calls}: rms {rms:.3e}, {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
 
-    fitted, info = refit_block(start, groups, max_iter=args.iterations, progress=progress, rng=rng)
+    done = saved.get("info", {}).get("block_refit_iterations", 0)
+
+    def save(block, info, queries, minutes):
+        """Write the block atomically (a temporary file renamed): a checkpoint never spoils the last."""
+        tmp = f"{args.save}.tmp"
+        with open(tmp, "wb") as fh:
+            pickle.dump({"layer": layer, "block": block, "info": info, "ln": ln, "vs": vs, "part": part,
+                         "heads": att, "queries": queries, "minutes": minutes}, fh)
+        os.replace(tmp, args.save)
+
+    def checkpoint(calls, block):                       # an unfinished R is kept too, to go on with --load
+        save(block, {"block_refit_iterations": done + calls, "checkpoint": True}, saved["queries"] + oracle.queries,
+             saved["minutes"] + (time.perf_counter() - t0) / 60)
+
+    fitted, info = refit_block(start, groups, max_iter=args.iterations, progress=progress, rng=rng,
+                               checkpoint=None if args.save is None else checkpoint)
     print(f"R: {info['block_refit_iterations']} iterations, rms {info['block_refit_rms_before']:.3e} -> "
           f"{info['block_refit_rms_after']:.3e}, {(time.perf_counter() - t0) / 60:.1f} min "
           f"({info['block_refit_message']})", flush=True)
+    info = {**info, "block_refit_iterations": done + info["block_refit_iterations"]}
     if args.save is not None:                           # before the report: a finished refit is never lost
-        with open(args.save, "wb") as fh:
-            pickle.dump({"layer": layer, "block": fitted, "info": info, "ln": ln, "vs": vs, "part": part,
-                         "heads": att, "queries": saved["queries"] + oracle.queries,
-                         "minutes": saved["minutes"] + (time.perf_counter() - t0) / 60}, fh)
+        save(fitted, info, saved["queries"] + oracle.queries, saved["minutes"] + (time.perf_counter() - t0) / 60)
     report("after R (the block refit):", fitted, parts_of(fitted, ln, vs, part, att), truth, oracle, rng, d,
            inputs)
     print(f"in all {saved['queries'] + oracle.queries} queries, "

@@ -56,6 +56,28 @@ def test_block_loss_is_the_block_and_its_gradient_is_exact():
     assert np.max(np.abs(num - G)) <= 1e-7 * np.max(np.abs(G))
 
 
+def test_block_refit_of_an_ungauged_start_and_its_checkpoints():
+    # a start with beta_1, b_K, b_V != 0 (gauges the loss fixes at 0): the refitted block and every checkpoint
+    # must answer as the fit measured them (was: the returned block kept the start's beta_1, b_K, b_V)
+    truth = random_block(8, 2, 8, seed=3)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((60, 4, 8))
+    Y = truth.forward(X)
+    start = dataclasses.replace(truth, W1=truth.W1 + 1e-2 * rng.standard_normal(truth.W1.shape))
+    assert np.any(truth.ln1_beta != 0) and np.any(truth.attention.bv != 0)
+    seen = []
+    fitted, info = block_refit.refit_block(start, [(X, Y)], max_iter=200,
+                                           checkpoint=lambda calls, blk: seen.append((calls, blk)))
+    rms = np.sqrt(np.mean(Y * Y))
+    def err(blk):
+        return float(np.sqrt(np.mean((blk.forward(X) - Y) ** 2)) / rms)
+    assert abs(err(fitted) - info["block_refit_rms_after"]) <= 1e-6 * info["block_refit_rms_after"] + 1e-15
+    assert err(start) == pytest.approx(info["block_refit_rms_before"], rel=1e-9)
+    every = block_refit.CHECKPOINT_EVERY
+    assert [c for c, _ in seen] == list(range(every, every * len(seen) + 1, every)) and seen
+    assert all(err(blk) < err(start) for _, blk in seen)
+
+
 def _float32_rounding(block32, X):
     """The answers' own precision: rms of float32 answers minus the same weights in float64, relative."""
     Y32 = block32.forward(X)

@@ -23,6 +23,7 @@ from ...errors import ConvergenceError
 from .lbfgs import GAIN, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs, unpack
 
 MAX_ITER = 20000
+CHECKPOINT_EVERY = 50  # evaluations between refit_block's checkpoint calls
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 
@@ -128,16 +129,27 @@ def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = 
     return L, pack(grads, shapes)
 
 
+def _with(block, p: dict):
+    """``block`` with the parameters ``p`` (:func:`params_of`'s names)."""
+    att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
+                              V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
+    return dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
+                               b1=p["b1"].copy(), W2=p["W2"].copy(), b2=p["b2"].copy(), ln2_gamma=p["g2"].copy(),
+                               ln2_beta=p["be2"].copy())
+
+
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
-                rng: np.random.Generator | None = None, scaled: bool = True):
+                rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
     chunks' stopping rule (:func:`.lbfgs.minimize_in_chunks`), run in coordinates scaled by the Gauss-Newton
     diagonal (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
     ``scaled=False``: in the parameters themselves, as first built). :class:`ConvergenceError` if the fit
-    cannot improve."""
+    cannot improve. ``checkpoint(calls, block)``, if given, gets the block at the current parameters every
+    ``CHECKPOINT_EVERY`` evaluations (a long refit's progress kept where the caller wants it)."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
+    block = gauged(block)               # the loss's gauges (module docstring); the same answers
     start = params_of(block)
     shapes = {k: np.shape(start[k]) for k in NAMES if k in free}
     fixed = {k: np.asarray(start[k], np.float64) for k in NAMES if k not in free}
@@ -155,6 +167,8 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
         L, G = loss_and_grad(th, shapes, groups, fixed)
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
+        if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:
+            checkpoint(calls[0], _with(block, {**fixed, **unpack(th, shapes)}))
         return L, G
 
     theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale)
@@ -163,12 +177,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the block refit did not improve on the assembled block (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    p = {**fixed, **unpack(theta, shapes)}
-    att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
-                              V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
-    new = dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
-                              b1=p["b1"].copy(), W2=p["W2"].copy(), b2=p["b2"].copy(), ln2_gamma=p["g2"].copy(),
-                              ln2_beta=p["be2"].copy())
+    new = _with(block, {**fixed, **unpack(theta, shapes)})
     worst = max(float(np.max(np.abs(np.asarray(new.forward(X)) - Y))) for X, Y in groups) / rms
     return new, {"block_refit_rms_before": before, "block_refit_rms_after": after, "block_refit_insample": worst,
                  "block_refit_iterations": iters, "block_refit_answers": int(count // groups[0][1].shape[-1]),
