@@ -98,6 +98,7 @@ class _ProgressBar:
     def __init__(self, total: int | None, label: str, enabled: bool):
         self.bar = None
         self.count = 0
+        self.label = label
         if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -109,6 +110,11 @@ class _ProgressBar:
     def set_total(self, total: int | None) -> None:
         if self.bar is not None and total:
             self.bar.update(self.task, total=total)
+
+    def describe(self, text: str) -> None:
+        """What the run is doing now, beside the bar (a method's stages, a long fit's evaluations)."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"{self.label}: {text}")
 
     def __call__(self, n: int) -> None:
         self.count += n

@@ -14,6 +14,8 @@ Format (a SQLite database; read it with any SQLite client):
   the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes (:func:`headthief.oracles.base.batch_key`),
   ``answers`` the float64 answers (little-endian): n numbers, or for vector answers n rows of d_out numbers
   (one row per answered vector, :mod:`headthief.oracles.answers`), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
+- ``checkpoints(name TEXT PRIMARY KEY, code TEXT, blob BLOB, checksum BLOB)``: what a long method computed
+  after each stage (:mod:`headthief.oracles.checkpoints`), so a resumed run skips the computation too.
 
 Failure modes and what they do:
 
@@ -109,6 +111,8 @@ class Journal(Transcript):
             self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             self._db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, "
                              "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS checkpoints (name TEXT PRIMARY KEY, code TEXT NOT NULL, "
+                             "blob BLOB NOT NULL, checksum BLOB NOT NULL)")
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
@@ -177,6 +181,34 @@ class Journal(Transcript):
         try:
             self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
                              (key, n, blob, _checksum(key, n, blob)))
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path}: writing failed ({e})") from None
+
+    def restore(self, name: str, code: str):
+        """The stage checkpoint ``name`` (:mod:`.checkpoints`) if one was written by the code ``code``, else
+        None. :class:`JournalError` if it is damaged or names anything but plain data."""
+        from .checkpoints import CheckpointError, checkpoint_blob_checksum, loads
+        try:
+            row = self._db.execute("SELECT code, blob, checksum FROM checkpoints WHERE name = ?", (name,)).fetchone()
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path}: reading failed ({e})") from None
+        if row is None or row[0] != code:
+            return None
+        if checkpoint_blob_checksum(name, row[0], row[1]) != row[2]:
+            raise JournalError(f"journal {self.path} is damaged: checkpoint {name!r} fails its checksum; "
+                               "move it aside to start afresh")
+        try:
+            return loads(row[1])
+        except CheckpointError as e:
+            raise JournalError(f"journal {self.path}: checkpoint {name!r}: {e}") from None
+
+    def checkpoint(self, name: str, code: str, obj) -> None:
+        """Write the stage checkpoint ``name`` durably (replacing an older one of that name)."""
+        from .checkpoints import checkpoint_blob_checksum, dumps
+        blob = dumps(obj)
+        try:
+            self._db.execute("INSERT OR REPLACE INTO checkpoints (name, code, blob, checksum) VALUES (?, ?, ?, ?)",
+                             (name, code, blob, checkpoint_blob_checksum(name, code, blob)))
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
 

@@ -45,6 +45,13 @@ class Transcript:
     def record(self, key: bytes, y: np.ndarray) -> None:
         self._answers[key] = np.asarray(y, dtype=np.float64).copy()
 
+    def restore(self, name: str, code: str):
+        """A stage checkpoint (:mod:`.checkpoints`): an in-memory transcript keeps none."""
+        return None
+
+    def checkpoint(self, name: str, code: str, obj) -> None:
+        """Keep a stage checkpoint: only a journal (:class:`~.journal.Journal`) does."""
+
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
         keys = list(self._answers)

@@ -20,10 +20,10 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import GAIN, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs, unpack
+from .lbfgs import (CHECKPOINT_EVERY, GAIN, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack,
+                    signs, unpack)
 
 MAX_ITER = 20000
-CHECKPOINT_EVERY = 50  # evaluations between refit_block's checkpoint calls
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 

@@ -18,6 +18,9 @@ The parts are assembled into a :class:`~headthief.models.bert_block.BertBlock` (
 input fixed by ``|gamma_1| = sqrt(d)``; ``K_h = sqrt(d_h) A_h^T``, ``Q_h = B_h^T`` for ``W_h = A_h B_h^T``;
 ``b_K = b_V = 0``), which answers like the target and is checked on fresh sequences of 1 to 16 tokens.
 
+With a journal, the run keeps a checkpoint after each stage (and, inside the refits, once a minute):
+given the same journal again it goes on after the last one (:mod:`.resume`).
+
 Genuine symmetries (what no query can tell apart, and the comparison with a truth goes modulo): head
 permutation; the Q/K split of ``W_h`` and the V/O split of ``O_h``; each ``O_h`` and ``B`` modulo a
 ones-row (LN1 ignores a ones-vector added to its input); LN2's input scale s (``gamma_1, beta_1 + b_2,
@@ -44,6 +47,7 @@ from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_quer
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
+from .resume import StageCheckpoints
 from .one_token_refit import model_jacobian, refit_from_oracle
 from .smoothness import check_smooth_activation
 from .arithmetic import MAX_TFLOP, describe, over_limit, planned
@@ -334,58 +338,123 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
         if progress is not None:
             progress(stages[name])
 
-    q0 = oracle.queries
-    Y, X_ln = _answers_for_ln(oracle, rng, scale)
-    ln = fit_output_layernorm(Y)
-    kind = answer_kind(oracle, Y)                 # float64, float32 (read from the answers), or a tolerance
-    eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))
-    mark("L", q0)
-    q0 = oracle.queries
-    act = check_smooth_activation(oracle, rng, precision=eps, scale=scale)
-    mark("activation", q0)
-    q0 = oracle.queries
-    vs = value_sum(oracle, rng, precision=eps, scale=scale)
-    mark("V", q0)
+    describe = getattr(progress, "describe", None) or (lambda text: None)   # the CLI's bar shows the stage
+
+    def fit_progress(name):
+        return lambda calls, rms: describe(f"{name}, evaluation {calls}, rms {rms:.2e}")
+
+    ck = StageCheckpoints(oracle, rng, before["queries"])
+    done, st = ck.load()                          # a journal's checkpoint: go on after its last stage
+    if done is not None:
+        stages.update(st["stages"])
+        seconds.update(st["seconds"])
+        if progress is not None:
+            progress(ck.offset)
+    if ck.to_run("V", done):
+        q0 = oracle.queries
+        Y, X_ln = _answers_for_ln(oracle, rng, scale)
+        ln = fit_output_layernorm(Y)
+        kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
+        eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))
+        mark("L", q0)
+        q0 = oracle.queries
+        ratio = check_smooth_activation(oracle, rng, precision=eps, scale=scale).ratio
+        mark("activation", q0)
+        q0 = oracle.queries
+        vs = value_sum(oracle, rng, precision=eps, scale=scale)
+        mark("V", q0)
+        st = {"Y": Y, "X_ln": X_ln, "ln": ln, "kind": kind, "eps": eps, "ratio": ratio, "vs": vs}
+        ck.save("V", {**st, "stages": stages, "seconds": seconds})
+    Y, X_ln, ln, kind, eps, ratio, vs = (st[k] for k in ("Y", "X_ln", "ln", "kind", "eps", "ratio", "vs"))
     plan = planned(d, int(ffn), probes=probes, coarse=eps > COARSE)
     if over_limit(plan, max_tflop):
-        raise _stopped_after_v(ln, vs, act.ratio, plan, max_tflop, oracle, before, t0,
-                               _stage_figures(stages, seconds, act.ratio, ln, vs), kind)
-    q0 = oracle.queries
+        raise _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0,
+                               _stage_figures(stages, seconds, ratio, ln, vs), kind, ck.spent())
     # stage F's steps and its one-token threshold (100 x eps^0.8 sqrt(d)) were validated at a floor of 1e-15
     # (20/20 seeds, docs/block.md); at float64's own 1.1e-16 the threshold sits at the figures it passes
     # (fidelity 7.3e-11 against 6.9e-11 on seed 1008, a correct block)
     eps_f = max(eps, 1e-15)
     coarse = eps > COARSE          # float32 (or noisier) answers: the algebra is a start, refitted to answers
-    # stage F from full Jacobians, or from probe Jacobians where those need a quarter of the queries or fewer
-    route = extract_ffn_probes if probes else extract_ffn
-    part = route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f)
-    refit: dict[str, Any] = {}
-    if coarse:
-        part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale)
-    one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
-    mark("F", q0)
-    q0 = oracle.queries
-    att = extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale,
-                        jacobian=model_jacobian(part, ln, vs) if coarse else None)
-    mark("A", q0)
-    block = assemble(ln, vs, part, att)
-    if coarse:
+    if ck.to_run("F", done):
+        if ck.to_run("F-span", done):
+            q0 = oracle.queries
+            f_start = ck.spent()
+            # stage F from full Jacobians, or from probe Jacobians where those need a quarter of the queries or
+            # fewer
+            route = extract_ffn_probes if probes else extract_ffn
+            describe("stage F (LN1, the FFN's span and neurons)")
+            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f), "f_start": f_start}
+            if coarse:
+                ck.save("F-span", {**st, "stages": stages, "seconds": seconds})
+        else:                                     # stage F's queries so far, counted as if asked in this run
+            q0 = oracle.queries - (ck.spent() - st["f_start"])
+        part = st["span"]
+        refit: dict[str, Any] = {}
+        ones = None
+        if coarse:
+            after_span = {"rng_state": rng.bit_generator.state, "spent": ck.spent()}   # F+'s answers follow
+
+            def keep_f(calls, parts):             # F+'s progress, at most once a minute
+                if ck.due():
+                    ck.save("F+partial", {**st, "fplus": parts, "fplus_calls": calls + st.get("fplus_calls", 0),
+                                          "stages": stages, "seconds": seconds}, **after_span)
+
+            describe("F+ one-token refit")
+            part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale,
+                                                          start=st.get("fplus"), checkpoint=keep_f,
+                                                          progress=fit_progress("F+ one-token refit"))
+            if "fplus" in st:
+                refit["resumed_from_evaluation"] = st["fplus_calls"]
+        one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
+        mark("F", q0)
+        st = {k: v for k, v in st.items() if k not in ("span", "fplus", "fplus_calls", "f_start")}
+        st = {**st, "ln": ln, "vs": vs, "part": part, "refit": refit, "ones": ones, "one": one}
+        ck.save("F", {**st, "stages": stages, "seconds": seconds})
+    ln, vs, part, refit, ones, one = (st[k] for k in ("ln", "vs", "part", "refit", "ones", "one"))
+    refit = dict(refit)
+    if ck.to_run("A", done):
         q0 = oracle.queries
+        describe("stage A (the heads)")
+        att = extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale,
+                            jacobian=model_jacobian(part, ln, vs) if coarse else None)
+        mark("A", q0)
+        st = {**st, "att": att}
+        ck.save("A", {**st, "stages": stages, "seconds": seconds})
+    att = st["att"]
+    block = assemble(ln, vs, part, att)
+    if coarse and done != "R":
+        q0 = oracle.queries
+        after_a = {"rng_state": rng.bit_generator.state, "spent": ck.spent()}   # R's answers follow from here
         groups = [(ones[0][:, None, :], ones[1][:, None, :])] + _refit_sequences(oracle, rng, scale, block)
-        block, brefit = refit_block(block, groups, rng=rng)
+        start = st.get("partial", block)      # a refit cut short goes on from the block it had reached
+        if "partial" in st:
+            refit["block_refit_resumed_from_evaluation"] = st["partial_calls"]
+
+        def keep(calls, partial):             # R's progress, at most once a minute: a cut run loses little
+            if ck.due():
+                ck.save("R-partial", {**st, "partial": partial, "partial_calls": calls + st.get("partial_calls", 0),
+                                      "stages": stages, "seconds": seconds}, **after_a)
+
+        describe("R block refit")
+        block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"))
         refit.update(brefit)
-        ln, vs, part, att = parts_of(block, ln, vs, part, att)
         mark("R", q0)
+        st = {**st, "block": block, "refit": refit}
+        ck.save("R", {**st, "stages": stages, "seconds": seconds})
+    if coarse:
+        block, refit = st["block"], dict(st["refit"])
+        ln, vs, part, att = parts_of(block, ln, vs, part, att)
     # the parts' own precision on answers already paid for: stage L's sequences (every position)
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
-    spent = int(oracle.queries - before["queries"])
-    diag = {**_stage_figures(stages, seconds, act.ratio, ln, vs), "answer_precision": eps,
+    spent = ck.spent()
+    diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
             "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,
+            "resumed_from": done, "queries_restored": ck.offset,
             **{(k if k.startswith("block_") else f"one_token_{k}"): v for k, v in refit.items()},
             "fitted": ("FFN span (iterated), neuron profiles (1-D fits), heads (alternating least squares); "
                        "the rest exact algebra" if not coarse else
@@ -408,7 +477,7 @@ def _stage_figures(stages: dict, seconds: dict, ratio: float, ln: OutputLayerNor
             "value_sum_conditioning": vs.conditioning}
 
 
-def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures, kind) -> Exception:
+def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures, kind, spent: int) -> Exception:
     """The :class:`ComputeLimit` that ends a run after stage V, with the parts read (:class:`BlockParts`);
     ``figures``: :func:`_stage_figures`."""
     from ...errors import ComputeLimit
@@ -425,7 +494,7 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures
                                        v / 1e12 for k, v in plan.items()},
             "max_tflop": float(max_tflop), **cost(oracle, before)}
     parts = BlockParts(ln=ln, value=vs, activation_ratio=ratio, plan=dict(plan),
-                       queries=int(oracle.queries - before["queries"]), seconds=time.perf_counter() - t0,
+                       queries=int(spent), seconds=time.perf_counter() - t0,
                        diagnostics=diag, check=mc)
     exc = ComputeLimit(
         f"stopped after stage V: the stages after it plan {total:.3g} TFLOP ({describe(plan)}), above --max-tflop "

@@ -19,6 +19,7 @@ import numpy as np
 CHUNK = 500            # L-BFGS iterations per chunk
 CHECK = 100            # the one-token refit tests the last CHUNK iterations' gain every CHECK iterations
                        # (minimize_in_chunks); the block refit keeps the chunks' own test (see docs/block.md)
+CHECKPOINT_EVERY = 50     # evaluations between the refits' checkpoint calls (block_refit, one_token_refit)
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
 PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)

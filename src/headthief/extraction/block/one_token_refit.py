@@ -27,7 +27,8 @@ import numpy as np
 from ...errors import ConvergenceError
 from .ffn import FFNPart
 from .layernorm import OutputLayerNorm
-from .lbfgs import CHECK, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs, unpack
+from .lbfgs import (CHECK, CHECKPOINT_EVERY, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs,
+                    unpack)
 from .value_sum import ValueSum, centre, with_map
 
 MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
@@ -61,17 +62,34 @@ def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: in
     return L, pack(grads, shapes(d, f))
 
 
+def _parts(p: dict, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum) -> tuple[FFNPart, OutputLayerNorm, ValueSum]:
+    """The refit's parameters ``p`` as the stages' parts, in their gauges: ``B, b`` to stage V's scale (LN1
+    ignores it), centred; u's scale to ``|gamma| = sqrt(d)``."""
+    d = vs.B.shape[0]
+    k = float(np.sum(centre(p["B"]) * vs.B) / np.sum(centre(p["B"]) ** 2))
+    Bn, bn = k * p["B"], k * p["b"]
+    s = float(np.linalg.norm(p["gam"]) / np.sqrt(d)) * (1.0 if p["gam"].sum() > 0 else -1.0)
+    P = np.eye(d) - 1.0 / d
+    fitted = list(part.info.get("fitted", []))
+    fitted += [] if "every one-token part (L-BFGS refit)" in fitted else ["every one-token part (L-BFGS refit)"]
+    new_part = FFNPart(gamma=p["gam"] / s, c=P @ (p["c"] / s), W1m=p["W1"] @ P, b1m=p["b1"].copy(), W2=p["W2"] / s,
+                       info={**part.info, "refit": True, "fitted": fitted})
+    return new_part, dataclasses.replace(ln, gamma=p["g2"].copy(), beta=p["be2"].copy()), with_map(vs, Bn, bn)
+
+
 def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray, Y: np.ndarray, *,
                     max_iter: int = MAX_ITER, progress=None,
                     rng: np.random.Generator | None = None,
-                    scaled: bool = True) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
+                    scaled: bool = True, checkpoint=None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
     """The parts refitted to the one-token answers ``Y`` (k, d) of tokens ``X`` (k, d) (module docstring):
     ``(part, ln, vs, info)``. L-BFGS runs in coordinates scaled by the Gauss-Newton diagonal
     (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
     ``scaled=False``: in the parameters themselves, as first built); it stops when the last 500 iterations
     gained less than 10% rms, tested every ``lbfgs.CHECK`` = 100 iterations. ``info`` has the rms residual before and
     after (relative to the answers' rms), the iterations, and ``fitted``. Raises :class:`ConvergenceError`
-    when L-BFGS stops on an error other than convergence or the iteration cap with the fit no better than its start."""
+    when L-BFGS stops on an error other than convergence or the iteration cap with the fit no better than its start.
+    ``checkpoint(calls, (part, ln, vs))``, if given, gets the parts at the current parameters every
+    ``CHECKPOINT_EVERY`` evaluations (:mod:`.resume`: a refit cut short goes on from them)."""
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
     d, f = X.shape[1], part.W1m.shape[0]
@@ -90,6 +108,8 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
         L, G = loss_and_grad(th, X, Y, d, f)
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], np.sqrt(2 * L / Y.size) / rms)
+        if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:
+            checkpoint(calls[0], _parts(unpack(th, shapes(d, f)), part, ln, vs))
         return L, G
 
     theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter, scale=scale, check=CHECK)
@@ -98,17 +118,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the one-token refit did not improve on the algebraic start (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    p = unpack(theta, shapes(d, f))
-    # gauges: B, b to stage V's scale (LN1 ignores it), centred; u's scale to |gamma| = sqrt(d)
-    k = float(np.sum(centre(p["B"]) * vs.B) / np.sum(centre(p["B"]) ** 2))
-    Bn, bn = k * p["B"], k * p["b"]
-    s = float(np.linalg.norm(p["gam"]) / np.sqrt(d)) * (1.0 if p["gam"].sum() > 0 else -1.0)
-    P = np.eye(d) - 1.0 / d
-    new_part = FFNPart(gamma=p["gam"] / s, c=P @ (p["c"] / s), W1m=p["W1"] @ P, b1m=p["b1"].copy(), W2=p["W2"] / s,
-                       info={**part.info, "refit": True,
-                             "fitted": list(part.info.get("fitted", [])) + ["every one-token part (L-BFGS refit)"]})
-    new_vs = with_map(vs, Bn, bn)
-    new_ln = dataclasses.replace(ln, gamma=p["g2"].copy(), beta=p["be2"].copy())
+    new_part, new_ln, new_vs = _parts(unpack(theta, shapes(d, f)), part, ln, vs)
     info = {"refit_rms_before": before, "refit_rms_after": after, "refit_iterations": iters,
             "refit_answers": int(len(X)), "refit_message": message}
     return new_part, new_ln, new_vs, info
@@ -137,17 +147,21 @@ def random_answers(oracle, rng: np.random.Generator, *, scale: float, ffn: int) 
 
 
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
-                      scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True):
+                      scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True, start=None,
+                      checkpoint=None):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
     ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
     answers. Stage F's stencil answers are not used: they sit in
     small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
-    random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s)."""
+    random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s).
+    ``start``: ``(part, ln, vs)`` to refit from instead of the given parts (a refit cut short,
+    :mod:`.resume`); ``checkpoint``: :func:`refit_one_token`'s."""
     Xr, Yr = random_answers(oracle, rng, scale=scale, ffn=part.W1m.shape[0])
     k = len(Xr)
+    part, ln, vs = (part, ln, vs) if start is None else start
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
-                                                     max_iter=max_iter, scaled=scaled)
+                                                     max_iter=max_iter, scaled=scaled, checkpoint=checkpoint)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 

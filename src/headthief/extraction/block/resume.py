@@ -1,0 +1,89 @@
+"""Resuming ``--method block`` after its stages: the stage checkpoints of one run, kept in its journal.
+
+At MiniLM's size the block method computes for hours (stage F's Jacobians, the one-token refit F+, stage A's
+reads and fits, the block refit R): the journal alone would spare the answers of an interrupted run but
+not that computation. :class:`StageCheckpoints` keeps one row in the journal (:mod:`headthief.oracles.checkpoints`),
+replaced after each stage: every part computed so far, the figures, the random generator's state and the
+queries spent. A run given the same journal restores it and starts after the last stage it holds; its queries
+are the ones an uninterrupted run asks from there (answers already journaled are replayed, not paid), and
+its result is the uninterrupted run's, except where a refit (the one-token refit F+ or the block refit R)
+was cut between two of its checkpoints (every ``EVERY`` = 60 seconds): it then goes on from the parameters
+it had reached, with its L-BFGS memory and scaling drawn afresh (``resumed_from`` in the run's figures says
+after which stage, ``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from
+which evaluation). The stages: ``V`` (stages L, activation and V), ``F-span`` (stage F's algebra, before F+),
+``F+partial``, ``F``, ``A``, ``R-partial``, ``R``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ...oracles.base import Oracle, oracle_stack
+from ...oracles.checkpoints import code_fingerprint
+
+NAME = "block"                        # the one checkpoint row of a block run
+STAGES = ("V", "F-span", "F+partial", "F", "A", "R-partial", "R")
+EVERY = 60.0                          # seconds between checkpoints inside the block refit
+
+
+def _store(oracle: Oracle):
+    """The transcript (journal) under ``oracle``, or None."""
+    for o in oracle_stack(oracle):
+        t = getattr(o, "transcript", None)
+        if t is not None:
+            return t
+    return None
+
+
+class StageCheckpoints:
+    """The block run's checkpoint: ``save(stage, **state)`` after each stage, ``load()`` at the start."""
+
+    def __init__(self, oracle: Oracle, rng: np.random.Generator, queries_before: int, every: float | None = None):
+        self.oracle, self.rng, self.q0 = oracle, rng, int(queries_before)
+        self.store = _store(oracle)
+        self.code = code_fingerprint("extraction.block", "models") if self.store is not None else ""
+        self.offset = 0                   # queries of the restored stages (asked by the run that wrote them)
+        self.every = float(EVERY if every is None else every)
+        self._last = time.monotonic()
+
+    def spent(self) -> int:
+        """Queries of this extraction so far, the restored stages' included."""
+        return int(self.oracle.queries - self.q0) + self.offset
+
+    def save(self, stage: str, state: dict, *, rng_state=None, spent: int | None = None) -> None:
+        """Keep ``state`` as the checkpoint after ``stage`` (with the generator's state, or ``rng_state``,
+        and the queries spent, or ``spent``)."""
+        if self.store is None:
+            return
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}")
+        self.store.checkpoint(NAME, self.code, {
+            "stage": stage, "state": state, "rng": rng_state if rng_state is not None else self.rng.bit_generator.state,
+            "spent": self.spent() if spent is None else int(spent)})
+        self._last = time.monotonic()
+
+    @staticmethod
+    def to_run(stage: str, done: str | None) -> bool:
+        """Whether ``stage`` (or part of it) is still to run after the checkpoint ``done`` (None: none)."""
+        return done is None or STAGES.index(done) < STAGES.index(stage)
+
+    def due(self) -> bool:
+        """Whether ``every`` seconds have passed since the last save (for checkpoints inside a long fit)."""
+        return time.monotonic() - self._last >= self.every
+
+    def load(self) -> tuple[str | None, dict]:
+        """``(stage, state)`` of the journal's checkpoint, the generator set to its state; ``(None, {})``
+        when there is none (no journal, a new one, or one written by other code)."""
+        if self.store is None:
+            return None, {}
+        got = self.store.restore(NAME, self.code)
+        if got is None:
+            return None, {}
+        self.rng.bit_generator.state = got["rng"]
+        self.offset = int(got["spent"]) - int(self.oracle.queries - self.q0)
+        return got["stage"], got["state"]
+
+
+__all__ = ["StageCheckpoints", "STAGES"]

@@ -1,0 +1,99 @@
+"""Stage checkpoints: what a long extraction computed, kept in its journal so a resumed run skips the work.
+
+The journal (:mod:`.journal`) keeps every answer, so a resumed run asks nothing twice; but at MiniLM's size
+the block method's *computation* (fits of hundreds of thousands of parameters) is hours, which a replay of
+the answers alone would redo. A method that checkpoints stores, after each expensive stage, the stage's
+results and the random generator's state under the stage's name; a resumed run with the same journal
+restores the latest stage and goes on from there. What a checkpoint restores is what the stage computed
+from the same answers, so the run's result is the one an uninterrupted run gives (a refit cut between two
+checkpoints goes on from the last, its L-BFGS memory drawn afresh: said in its figures).
+
+Format: ``checkpoints(name TEXT PRIMARY KEY, code TEXT, blob BLOB, checksum BLOB)`` in the journal's SQLite
+file; ``blob`` a pickle of plain data (numpy arrays, dicts, lists, numbers, strings) and headthief's own
+dataclasses, ``code`` the :func:`code_fingerprint` of the code that wrote it. A checkpoint written by other
+code is not used (the stage is computed again, its answers from the journal). Unpickling is restricted
+(:class:`_Restricted`): a journal whose checkpoint names any other callable is refused with
+:class:`CheckpointError`, so a crafted journal cannot run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import io
+import pickle
+from pathlib import Path
+
+from ..errors import HeadthiefError
+
+_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+          ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+          ("numpy._core.multiarray", "scalar"), ("numpy.core.numeric", "_frombuffer"),
+          ("numpy._core.numeric", "_frombuffer")}
+_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "complex", "slice", "range", "bytearray", "float", "int",
+             "bool", "str", "bytes"}
+_COPYREG = {"__newobj__", "_reconstructor"}
+
+
+class CheckpointError(HeadthiefError):
+    """A stage checkpoint cannot be used: damaged, or it names something other than plain data."""
+
+
+class _Restricted(pickle.Unpickler):
+    """Unpickles numpy arrays, scalars and dtypes, builtin containers and headthief's dataclasses and enums;
+    nothing else (no function, no other class)."""
+
+    def find_class(self, module: str, name: str):
+        if ((module, name) in _NUMPY or (module == "builtins" and name in _BUILTINS)
+                or (module == "copyreg" and name in _COPYREG) or (module == "_codecs" and name == "encode")):
+            return super().find_class(module, name)
+        if module == "numpy" or module.startswith("numpy."):       # scalar and dtype classes (np.float64, ...)
+            import numpy as np
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and issubclass(obj, (np.generic, np.dtype)):
+                return obj
+        if module == "headthief" or module.startswith("headthief."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise CheckpointError(f"a checkpoint names {module}.{name}, which is not plain data: refused "
+                              "(a journal written by another program?)")
+
+
+def dumps(obj) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+def loads(blob: bytes):
+    """The object :func:`dumps` wrote; :class:`CheckpointError` if it names anything but plain data."""
+    try:
+        return _Restricted(io.BytesIO(blob)).load()
+    except CheckpointError:
+        raise
+    except Exception as e:                              # a torn or foreign blob: any unpickling error
+        raise CheckpointError(f"a checkpoint cannot be read ({type(e).__name__}: {e})") from None
+
+
+def code_fingerprint(*packages: str) -> str:
+    """A hash of the source files of ``packages`` (dotted names under headthief, e.g. ``extraction.block``):
+    a checkpoint is used only by the code that wrote it."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.blake2b(digest_size=12)
+    for pkg in sorted(packages):
+        base = root.joinpath(*pkg.split("."))
+        files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def checkpoint_blob_checksum(name: str, code: str, blob: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=8)
+    for part in (name.encode(), b"\0", code.encode(), b"\0", blob):
+        h.update(part)
+    return h.digest()
+
+
+__all__ = ["CheckpointError", "code_fingerprint", "dumps", "loads"]

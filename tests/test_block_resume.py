@@ -1,0 +1,137 @@
+"""Resuming ``--method block`` from its journal's stage checkpoints (issue 19: "journal and resume, an encoder run
+is long"): the computation of the stages a run finished is not redone, the result is the uninterrupted run's,
+a block refit cut short goes on from its last checkpoint, and a journal's checkpoint never runs code."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sqlite3
+
+import numpy as np
+import pytest
+
+import headthief as ht
+from headthief.extraction.block import extract, resume
+from headthief.oracles.checkpoints import CheckpointError, code_fingerprint, dumps, loads
+from headthief.oracles.journal import Journal, JournalError
+
+SPEC = "bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32"      # float32: every stage, both refits
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return ht.extract(SPEC, "block", verify=64)
+
+
+def test_a_run_stopped_by_its_budget_resumes_after_its_last_stage(tmp_path, uninterrupted):
+    journal = str(tmp_path / "j.sqlite")
+    full = uninterrupted.row
+    stop = full["queries_stage_L"] + full["queries_stage_activation"] + full["queries_stage_V"] + 10
+    short = ht.extract(SPEC, "block", verify=64, budget=stop, journal=journal, raise_errors=False)
+    assert short.exit_code == 3                                      # stopped in stage F, after V's checkpoint
+    rep = ht.extract(SPEC, "block", verify=64, journal=journal)
+    r = rep.row
+    assert rep.ok and r["resumed_from"] == "V"
+    assert r["queries_restored"] == full["queries_stage_L"] + full["queries_stage_activation"] + full["queries_stage_V"]
+    assert r["queries"] == full["queries"]                           # the same run, counted whole
+    # stages F, A, R and the model check asked afresh: the budget refused stage F's first batch whole
+    assert r["journal_replayed"] == 0 and r["journal_sent"] == full["queries"] - r["queries_restored"] + 64
+    for name in ("W1", "W2", "ln2_gamma", "ln1_gamma"):              # the uninterrupted run's result, bit for bit
+        assert np.array_equal(getattr(rep.result.block, name), getattr(uninterrupted.result.block, name))
+    again = ht.extract(SPEC, "block", verify=64, journal=journal)    # a finished run's journal: nothing recomputed
+    assert again.row["resumed_from"] == "R" and again.row["queries_fresh"] == 0
+    assert np.array_equal(again.result.block.W1, uninterrupted.result.block.W1)
+
+
+@pytest.mark.parametrize("fit, stage, key", [
+    ("refit_from_oracle", "F+partial", "one_token_resumed_from_evaluation"),
+    ("refit_block", "R-partial", "block_refit_resumed_from_evaluation")])
+def test_a_refit_cut_short_goes_on_from_its_checkpoint(tmp_path, monkeypatch, uninterrupted, fit, stage, key):
+    journal = str(tmp_path / "j.sqlite")
+    real = getattr(extract, fit)
+
+    class Cut(Exception):
+        pass
+
+    def cut(*args, checkpoint, **kw):                   # the process dies just after the refit's first checkpoint
+        def keep(calls, fitted):
+            checkpoint(calls, fitted)
+            raise Cut
+        return real(*args, checkpoint=keep, **kw)
+
+    monkeypatch.setattr(resume, "EVERY", 0.0)
+    monkeypatch.setattr(extract, fit, cut)
+    with pytest.raises(Cut):
+        ht.extract(SPEC, "block", verify=64, journal=journal)
+    monkeypatch.setattr(extract, fit, real)
+    rep = ht.extract(SPEC, "block", verify=64, journal=journal)
+    r, full = rep.row, uninterrupted.row
+    assert rep.ok and r["resumed_from"] == stage and r[key] == 50
+    assert r["queries"] == full["queries"] == r["queries_restored"] + r["queries_replayed"] + r["queries_fresh"]
+    # the refit's answers replayed from the journal, what follows it asked afresh (and the model check)
+    assert r["journal_sent"] == r["queries_fresh"] + r["verify_queries"]
+    if stage == "R-partial":
+        assert r["queries_replayed"] == full["queries_stage_R"] and r["queries_fresh"] == 0
+    else:
+        assert r["queries_replayed"] == full["one_token_refit_queries"]
+    # the refit reaches the same precision as the uninterrupted one, and the block passes its model check
+    for k in ("block_refit_rms_after", "one_token_refit_rms_after"):
+        assert r[k] <= 2 * full[k]
+    assert r["fidelity_max_rel_err"] <= r["model_check"]["threshold"]
+
+
+def test_checkpoints_of_other_code_are_not_used_and_damage_is_named(tmp_path):
+    path = tmp_path / "j.sqlite"
+    j = Journal(path, {"target": "t"})
+    j.checkpoint("block", "code-a", {"x": np.arange(3.0)})
+    assert np.array_equal(j.restore("block", "code-a")["x"], np.arange(3.0))
+    assert j.restore("block", "code-b") is None and j.restore("other", "code-a") is None
+    j.close()
+    with sqlite3.connect(path) as db:                               # one byte of the checkpoint flipped
+        blob = bytearray(db.execute("SELECT blob FROM checkpoints").fetchone()[0])
+        blob[-5] ^= 1
+        db.execute("UPDATE checkpoints SET blob = ?", (bytes(blob),))
+    j = Journal(path, {"target": "t"})
+    with pytest.raises(JournalError, match="checkpoint 'block' fails its checksum"):
+        j.restore("block", "code-a")
+    j.close()
+    assert len(code_fingerprint("extraction.block", "models")) == 24
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_checkpoint_naming_a_callable_is_refused():
+    assert loads(dumps({"a": np.float32(1.5), "b": [np.ones((2, 2))], "c": "s"}))["a"] == np.float32(1.5)
+    with pytest.raises(CheckpointError, match="not plain data"):
+        loads(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match="not plain data"):
+        loads(pickle.dumps(np.linalg.norm))
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        loads(b"not a pickle")
+
+
+def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
+    from headthief.models.bert_block import random_block
+    from headthief.oracles.base import ModelOracle
+
+    class Bar:
+        def __init__(self):
+            self.count, self.texts = 0, []
+
+        def __call__(self, n):
+            self.count += n
+
+        def describe(self, text):
+            self.texts.append(text)
+
+    bar = Bar()
+    oracle = ModelOracle(random_block(12, 2, 12, seed=41, dtype=np.float32))
+    res = extract.extract_block(oracle, heads=2, ffn=12, rng=41, verify=16, progress=bar)
+    assert bar.count == res.queries == oracle.queries - 16
+    stages = [t for t in bar.texts if "evaluation" not in t]
+    assert [t.split(" (")[0] for t in stages] == ["stage F", "F+ one-token refit", "stage A", "R block refit"]
+    assert any(t.startswith("R block refit, evaluation 50, rms ") for t in bar.texts)
