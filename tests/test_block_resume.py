@@ -105,7 +105,9 @@ class _Evil:
 
 
 def test_a_checkpoint_naming_a_callable_is_refused():
-    assert loads(dumps({"a": np.float32(1.5), "b": [np.ones((2, 2))], "c": "s"}))["a"] == np.float32(1.5)
+    import types
+    back = loads(dumps({"a": np.float32(1.5), "b": [np.ones((2, 2))], "m": types.MappingProxyType({"k": 1})}))
+    assert back["a"] == np.float32(1.5) and type(back["m"]) is types.MappingProxyType and back["m"]["k"] == 1
     with pytest.raises(CheckpointError, match="not plain data"):
         loads(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="not plain data"):
@@ -135,3 +137,35 @@ def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
     stages = [t for t in bar.texts if "evaluation" not in t]
     assert [t.split(" (")[0] for t in stages] == ["stage F", "F+ one-token refit", "stage A", "R block refit"]
     assert any(t.startswith("R block refit, evaluation 50, rms ") for t in bar.texts)
+
+
+def test_an_encoder_run_cut_in_its_second_block_resumes_after_the_first(tmp_path, monkeypatch):
+    """``--method encoder`` keeps a checkpoint after stage E and after every block: killed in block 1, the same
+    command goes on at block 1, with block 0 restored bit for bit and its queries counted, not asked."""
+    from headthief.extraction.block import encoder
+    spec = "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1"
+    whole = ht.extract(spec, "encoder", verify=32)
+    journal = str(tmp_path / "enc.sqlite")
+    real, calls = encoder._value_sum, []
+
+    class Cut(Exception):
+        pass
+
+    def dies_in_block_1(paths, k, *a):
+        calls.append(k)
+        if k == 1:
+            raise Cut
+        return real(paths, k, *a)
+
+    monkeypatch.setattr(encoder, "_value_sum", dies_in_block_1)
+    with pytest.raises(Cut):
+        ht.extract(spec, "encoder", verify=32, journal=journal)
+    monkeypatch.setattr(encoder, "_value_sum", real)
+    rep = ht.extract(spec, "encoder", verify=32, journal=journal)
+    r, w = rep.row, whole.row
+    assert rep.ok and r["resumed_from"] == "block 0" and calls == [0, 1]
+    assert r["queries_restored"] == 3 + w["queries_block_0"] and r["queries"] == w["queries"]
+    assert r["journal_replayed"] < w["queries_block_1"]     # block 1's answers asked before the cut, replayed
+    for a, b in zip(rep.result.blocks, whole.result.blocks):
+        assert np.array_equal(a.W1, b.W1) and np.array_equal(a.attention.Q, b.attention.Q)
+    assert r["fidelity_max_rel_err"] == w["fidelity_max_rel_err"] <= 1e-9

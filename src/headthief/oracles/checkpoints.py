@@ -23,6 +23,7 @@ import enum
 import hashlib
 import io
 import pickle
+import types
 from pathlib import Path
 
 from ..errors import HeadthiefError
@@ -46,7 +47,8 @@ class _Restricted(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if ((module, name) in _NUMPY or (module == "builtins" and name in _BUILTINS)
-                or (module == "copyreg" and name in _COPYREG) or (module == "_codecs" and name == "encode")):
+                or (module == "copyreg" and name in _COPYREG) or (module == "_codecs" and name == "encode")
+                or (module == __name__ and name == "read_only")):
             return super().find_class(module, name)
         if module == "numpy" or module.startswith("numpy."):       # scalar and dtype classes (np.float64, ...)
             import numpy as np
@@ -61,8 +63,24 @@ class _Restricted(pickle.Unpickler):
                               "(a journal written by another program?)")
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles read-only mappings (the frozen results' ``MappingProxyType`` fields) as what they wrap."""
+
+    def reducer_override(self, obj):
+        if type(obj) is types.MappingProxyType:
+            return read_only, (dict(obj),)
+        return NotImplemented
+
+
+def read_only(mapping: dict) -> types.MappingProxyType:
+    """A read-only view of ``mapping`` (how a checkpoint rebuilds a frozen result's mapping fields)."""
+    return types.MappingProxyType(mapping)
+
+
 def dumps(obj) -> bytes:
-    return pickle.dumps(obj, protocol=5)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
 
 
 def loads(blob: bytes):

@@ -327,16 +327,30 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     from ..check import counters
     before = counters(oracle)
     q_start = oracle.queries
-    emb = embedding_stage(oracle, rng, length=length, d_hidden=d)
+    from .resume import StageCheckpoints
+    ck = StageCheckpoints(oracle, rng, q_start, name="encoder",
+                          stages=("E",) + tuple(f"block {k}" for k in range(layers)))
+    done, st = ck.load()                    # a journal's checkpoint: go on after the last block it holds
+    if done is None:
+        emb = embedding_stage(oracle, rng, length=length, d_hidden=d)
+        st = {"emb": emb, "blocks": [], "per": [], "figures": [], "worst_eps": 0.0, "kind": None}
+        ck.save("E", st)
+    emb = st["emb"]
     paths = _Paths(oracle, emb, layers)
-    image = paths.image
-    blocks, per, figures = [], [], []
-    worst_eps, kind = 0.0, None
+    blocks, per, figures = list(st["blocks"]), list(st["per"]), list(st["figures"])
+    worst_eps, kind = st["worst_eps"], st["kind"]
+    image = paths.image if not blocks else LayerNormImage(np.asarray(blocks[-1].ln2_gamma, np.float64),
+                                                          np.asarray(blocks[-1].ln2_beta, np.float64))
+    if progress is not None:
+        for k in range(len(blocks)):
+            progress(k)
     from .extract import parts_of
     from .heads import Heads
     from .on_image import ImageBlockExtraction
     from .value_sum import ValueSum, with_map
-    for k in range(layers):
+    describe = getattr(progress, "describe", None) or (lambda text: None)   # the CLI's bar names the block
+    for k in range(len(blocks), layers):
+        describe(f"block {k} of {layers}")
         q0 = oracle.queries
         lens = [T for T in REFIT_LENGTHS if T <= length]
         Xl, Yl = _pairs(paths, k, rng, [-(-(2 * d + 8) // length)], [length])[0]
@@ -434,17 +448,20 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         figures.append(diag)
         blocks.append(block)
         image = LayerNormImage(np.asarray(block.ln2_gamma, np.float64), np.asarray(block.ln2_beta, np.float64))
+        ck.save(f"block {k}", {"emb": emb, "blocks": blocks, "per": per, "figures": figures, "worst_eps": worst_eps,
+                               "kind": kind})
         if progress is not None:
             progress(k)
     from ..check import cost
     from ..precision import ModelCheck
-    res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=int(oracle.queries - q_start),
+    res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=ck.spent(),
                             seconds=time.perf_counter() - t0, per_block=tuple(per),
                             diagnostics={"blocks": figures, "embedding_residual": emb.residual,
                                          **{f"queries_block_{i}": f["queries"] for i, f in enumerate(figures)},
                                          **{f"fidelity_block_{i}": f["fidelity"] for i, f in enumerate(figures)},
                                          **{f"fit_attempts_block_{i}": f["fit_attempts"]
                                             for i, f in enumerate(figures)},
+                                         "resumed_from": done, "queries_restored": ck.offset,
                                          "fitted": "every block's heads (fitted to observed inputs and answers from "
                                                    "a start that satisfies stage V); the rest by the stages' algebra",
                                          **cost(oracle, before)})

@@ -38,10 +38,14 @@ def _store(oracle: Oracle):
 
 
 class StageCheckpoints:
-    """The block run's checkpoint: ``save(stage, **state)`` after each stage, ``load()`` at the start."""
+    """A run's checkpoint: ``save(stage, state)`` after each stage, ``load()`` at the start. ``name``: the
+    journal row (``block``, or ``encoder`` with the stages ``E``, ``block 0``, ``block 1``, ...); ``stages``
+    their order."""
 
-    def __init__(self, oracle: Oracle, rng: np.random.Generator, queries_before: int, every: float | None = None):
+    def __init__(self, oracle: Oracle, rng: np.random.Generator, queries_before: int, every: float | None = None,
+                 name: str = NAME, stages: tuple[str, ...] = STAGES):
         self.oracle, self.rng, self.q0 = oracle, rng, int(queries_before)
+        self.name, self.stages = name, tuple(stages)
         self.store = _store(oracle)
         self.code = code_fingerprint("extraction.block", "models") if self.store is not None else ""
         self.offset = 0                   # queries of the restored stages (asked by the run that wrote them)
@@ -57,17 +61,16 @@ class StageCheckpoints:
         and the queries spent, or ``spent``)."""
         if self.store is None:
             return
-        if stage not in STAGES:
+        if stage not in self.stages:
             raise ValueError(f"unknown stage {stage!r}")
-        self.store.checkpoint(NAME, self.code, {
+        self.store.checkpoint(self.name, self.code, {
             "stage": stage, "state": state, "rng": rng_state if rng_state is not None else self.rng.bit_generator.state,
             "spent": self.spent() if spent is None else int(spent)})
         self._last = time.monotonic()
 
-    @staticmethod
-    def to_run(stage: str, done: str | None) -> bool:
+    def to_run(self, stage: str, done: str | None) -> bool:
         """Whether ``stage`` (or part of it) is still to run after the checkpoint ``done`` (None: none)."""
-        return done is None or STAGES.index(done) < STAGES.index(stage)
+        return done is None or self.stages.index(done) < self.stages.index(stage)
 
     def due(self) -> bool:
         """Whether ``every`` seconds have passed since the last save (for checkpoints inside a long fit)."""
@@ -78,8 +81,8 @@ class StageCheckpoints:
         when there is none (no journal, a new one, or one written by other code)."""
         if self.store is None:
             return None, {}
-        got = self.store.restore(NAME, self.code)
-        if got is None:
+        got = self.store.restore(self.name, self.code)
+        if got is None or got["stage"] not in self.stages:
             return None, {}
         self.rng.bit_generator.state = got["rng"]
         self.offset = int(got["spent"]) - int(self.oracle.queries - self.q0)
