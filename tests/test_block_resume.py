@@ -169,3 +169,15 @@ def test_an_encoder_run_cut_in_its_second_block_resumes_after_the_first(tmp_path
     for a, b in zip(rep.result.blocks, whole.result.blocks):
         assert np.array_equal(a.W1, b.W1) and np.array_equal(a.attention.Q, b.attention.Q)
     assert r["fidelity_max_rel_err"] == w["fidelity_max_rel_err"] <= 1e-9
+
+
+def test_the_checkpoint_interval_from_the_environment(monkeypatch):
+    from headthief.errors import SpecError
+    monkeypatch.delenv(resume.ENV, raising=False)
+    assert resume._every() == resume.EVERY == 60.0
+    monkeypatch.setenv(resume.ENV, "2.5")
+    assert resume._every() == 2.5
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(resume.ENV, bad)
+        with pytest.raises(SpecError, match="HEADTHIEF_CHECKPOINT_SECONDS must be a number of seconds >= 0"):
+            resume._every()

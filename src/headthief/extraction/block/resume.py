@@ -1,31 +1,48 @@
-"""Resuming ``--method block`` after its stages: the stage checkpoints of one run, kept in its journal.
+"""Resuming a long run after its stages: the stage checkpoints of one run, kept in its journal.
 
 At MiniLM's size the block method computes for hours (stage F's Jacobians, the one-token refit F+, stage A's
 reads and fits, the block refit R): the journal alone would spare the answers of an interrupted run but
-not that computation. :class:`StageCheckpoints` keeps one row in the journal (:mod:`headthief.oracles.checkpoints`),
-replaced after each stage: every part computed so far, the figures, the random generator's state and the
-queries spent. A run given the same journal restores it and starts after the last stage it holds; its queries
-are the ones an uninterrupted run asks from there (answers already journaled are replayed, not paid), and
-its result is the uninterrupted run's, except where a refit (the one-token refit F+ or the block refit R)
-was cut between two of its checkpoints (every ``EVERY`` = 60 seconds): it then goes on from the parameters
-it had reached, with its L-BFGS memory and scaling drawn afresh (``resumed_from`` in the run's figures says
-after which stage, ``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from
-which evaluation). The stages: ``V`` (stages L, activation and V), ``F-span`` (stage F's algebra, before F+),
-``F+partial``, ``F``, ``A``, ``R-partial``, ``R``.
+not that computation. :class:`StageCheckpoints` keeps one row in the journal
+(:mod:`headthief.oracles.checkpoints`), replaced after each stage: every part computed so far, the figures,
+the random generator's state and the queries spent. A run given the same journal restores it and starts
+after the last stage it holds; its queries are the ones an uninterrupted run asks from there (answers
+already journaled are replayed, not paid), and its result is the uninterrupted run's, except where a refit
+(the one-token refit F+ or the block refit R) was cut between two of its checkpoints (every ``EVERY`` = 60
+seconds, or ``HEADTHIEF_CHECKPOINT_SECONDS``): it then goes on from the parameters it had reached, with its
+L-BFGS memory and scaling drawn afresh (``resumed_from`` in the run's figures says after which stage,
+``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from which evaluation).
+The block method's stages: ``V`` (stages L, activation and V), ``F-span`` (stage F's algebra, before F+),
+``F+partial``, ``F``, ``A``, ``R-partial``, ``R``; ``--method encoder``'s: ``E``, ``block 0``, ``block 1``, ...
 """
-
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
+from ...errors import SpecError
 from ...oracles.base import Oracle, oracle_stack
 from ...oracles.checkpoints import code_fingerprint
 
 NAME = "block"                        # the one checkpoint row of a block run
 STAGES = ("V", "F-span", "F+partial", "F", "A", "R-partial", "R")
-EVERY = 60.0                          # seconds between checkpoints inside the block refit
+EVERY = 60.0                          # seconds between checkpoints inside a refit (HEADTHIEF_CHECKPOINT_SECONDS)
+ENV = "HEADTHIEF_CHECKPOINT_SECONDS"
+
+
+def _every() -> float:
+    """Seconds between a refit's checkpoints: ``HEADTHIEF_CHECKPOINT_SECONDS`` if set, else :data:`EVERY`."""
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return EVERY
+    try:
+        every = float(raw)
+    except ValueError:
+        every = float("nan")
+    if not every >= 0:
+        raise SpecError(f"{ENV} must be a number of seconds >= 0, got {raw!r}")
+    return every
 
 
 def _store(oracle: Oracle):
@@ -49,7 +66,7 @@ class StageCheckpoints:
         self.store = _store(oracle)
         self.code = code_fingerprint("extraction.block", "models") if self.store is not None else ""
         self.offset = 0                   # queries of the restored stages (asked by the run that wrote them)
-        self.every = float(EVERY if every is None else every)
+        self.every = float(every) if every is not None else _every()
         self._last = time.monotonic()
 
     def spent(self) -> int:
