@@ -181,3 +181,26 @@ def test_the_checkpoint_interval_from_the_environment(monkeypatch):
         monkeypatch.setenv(resume.ENV, bad)
         with pytest.raises(SpecError, match="HEADTHIEF_CHECKPOINT_SECONDS must be a number of seconds >= 0"):
             resume._every()
+
+
+def test_journal_show_says_where_a_run_stands(tmp_path, capsys):
+    import json
+
+    from headthief.cli import main
+    journal = tmp_path / "j.sqlite"
+    spec = "bert-block:d=8,heads=2,ffn=8,seed=1,dtype=float32"
+    short = ht.extract(spec, "block", verify=16, budget=2000, journal=str(journal), raise_errors=False)
+    assert short.exit_code == 3
+    assert main(["journal", "show", str(journal), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["fingerprint"]["target"] == spec and info["fingerprint"]["method"] == "block"
+    assert info["answered"] > 0 and info["format"] == "headthief-journal-1"
+    (c,) = info["checkpoints"]
+    assert c["name"] == "block" and c["stage"] == "V" and c["usable"] and 0 < c["spent"] <= 2000
+    with sqlite3.connect(journal) as db:                           # as written by another version
+        db.execute("UPDATE checkpoints SET code = 'other'")
+    assert main(["journal", "show", str(journal)]) == 0
+    out = capsys.readouterr().out
+    assert "after V" in out and "written by another version" in out and f"--target {spec}" in out
+    assert main(["journal", "show", str(tmp_path / "none.sqlite")]) == 2
+    assert "no journal at" in capsys.readouterr().err

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import keys, serve
     serve.add_arguments(sub.add_parser("serve", help="serve a target as a model API (keys, budgets, defences)"))
     keys.add_arguments(sub.add_parser("keys", help="make, list and audit the API keys of a serve database"))
+    from . import journal as _journal
+    _journal.add_arguments(sub.add_parser("journal", help="what a journal holds: its command, answers, checkpoints"))
 
     b = sub.add_parser("bench", help="run a benchmark job and print its table")
     jobs = b.add_subparsers(dest="job", required=True)
@@ -82,6 +84,9 @@ def _dispatch(argv: list[str] | None) -> int:
     if args.command == "keys":
         from . import keys
         return keys.run(args)
+    if args.command == "journal":
+        from . import journal as _journal
+        return _journal.run(args)
     if args.command == "bench" and args.job == "real":
         from . import bench_real
         return bench_real.run(args)

@@ -14,8 +14,9 @@ Format (a SQLite database; read it with any SQLite client):
   the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes (:func:`headthief.oracles.base.batch_key`),
   ``answers`` the float64 answers (little-endian): n numbers, or for vector answers n rows of d_out numbers
   (one row per answered vector, :mod:`headthief.oracles.answers`), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
-- ``checkpoints(name TEXT PRIMARY KEY, code TEXT, blob BLOB, checksum BLOB)``: what a long method computed
-  after each stage (:mod:`headthief.oracles.checkpoints`), so a resumed run skips the computation too.
+- ``checkpoints(name TEXT PRIMARY KEY, code TEXT, meta TEXT, blob BLOB, checksum BLOB)``: what a long method
+  computed after each stage (:mod:`headthief.oracles.checkpoints`), so a resumed run skips the computation too;
+  ``meta`` (JSON) says which stage, for ``headthief journal show``.
 
 Failure modes and what they do:
 
@@ -112,7 +113,7 @@ class Journal(Transcript):
             self._db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, "
                              "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS checkpoints (name TEXT PRIMARY KEY, code TEXT NOT NULL, "
-                             "blob BLOB NOT NULL, checksum BLOB NOT NULL)")
+                             "meta TEXT NOT NULL, blob BLOB NOT NULL, checksum BLOB NOT NULL)")
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
@@ -202,15 +203,27 @@ class Journal(Transcript):
         except CheckpointError as e:
             raise JournalError(f"journal {self.path}: checkpoint {name!r}: {e}") from None
 
-    def checkpoint(self, name: str, code: str, obj) -> None:
-        """Write the stage checkpoint ``name`` durably (replacing an older one of that name)."""
+    def checkpoint(self, name: str, code: str, obj, meta: Mapping[str, Any] | None = None) -> None:
+        """Write the stage checkpoint ``name`` durably (replacing an older one of that name); ``meta``: what
+        :meth:`summary` shows of it without reading the blob (JSON)."""
         from .checkpoints import checkpoint_blob_checksum, dumps
         blob = dumps(obj)
         try:
-            self._db.execute("INSERT OR REPLACE INTO checkpoints (name, code, blob, checksum) VALUES (?, ?, ?, ?)",
-                             (name, code, blob, checkpoint_blob_checksum(name, code, blob)))
+            self._db.execute("INSERT OR REPLACE INTO checkpoints (name, code, meta, blob, checksum) "
+                             "VALUES (?, ?, ?, ?, ?)", (name, code, json.dumps(dict(meta or {}), sort_keys=True), blob,
+                                                        checkpoint_blob_checksum(name, code, blob)))
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
+
+    def summary(self) -> dict[str, Any]:
+        """What the journal holds, read without the answers: format, created, fingerprint, batches, answered
+        rows, and each checkpoint's name, code, size and ``meta``."""
+        meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        rows = [{"name": n, "code": c, "bytes": int(b), **json.loads(m or "{}")} for n, c, m, b in self._db.execute(
+            "SELECT name, code, meta, LENGTH(blob) FROM checkpoints ORDER BY name")]
+        return {"path": str(self.path), "format": meta.get("format"), "created": meta.get("created"),
+                "fingerprint": json.loads(meta.get("fingerprint", "{}")), "batches": len(self),
+                "answered": self.queries, "bytes": self.path.stat().st_size, "checkpoints": rows}
 
     def close(self) -> None:
         try:

@@ -49,7 +49,7 @@ class Transcript:
         """A stage checkpoint (:mod:`.checkpoints`): an in-memory transcript keeps none."""
         return None
 
-    def checkpoint(self, name: str, code: str, obj) -> None:
+    def checkpoint(self, name: str, code: str, obj, meta=None) -> None:
         """Keep a stage checkpoint: only a journal (:class:`~.journal.Journal`) does."""
 
     def save(self, path: str | os.PathLike) -> None:

@@ -439,7 +439,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
         block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"))
         refit.update(brefit)
         mark("R", q0)
-        st = {**st, "block": block, "refit": refit}
+        st = {**{k: v for k, v in st.items() if k not in ("partial", "partial_calls")}, "block": block, "refit": refit}
         ck.save("R", {**st, "stages": stages, "seconds": seconds})
     if coarse:
         block, refit = st["block"], dict(st["refit"])

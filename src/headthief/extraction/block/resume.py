@@ -45,6 +45,11 @@ def _every() -> float:
     return every
 
 
+def current_code() -> str:
+    """The code fingerprint this version writes its checkpoints with (and uses only those of)."""
+    return code_fingerprint("extraction.block", "models")
+
+
 def _store(oracle: Oracle):
     """The transcript (journal) under ``oracle``, or None."""
     for o in oracle_stack(oracle):
@@ -64,7 +69,7 @@ class StageCheckpoints:
         self.oracle, self.rng, self.q0 = oracle, rng, int(queries_before)
         self.name, self.stages = name, tuple(stages)
         self.store = _store(oracle)
-        self.code = code_fingerprint("extraction.block", "models") if self.store is not None else ""
+        self.code = current_code() if self.store is not None else ""
         self.offset = 0                   # queries of the restored stages (asked by the run that wrote them)
         self.every = float(every) if every is not None else _every()
         self._last = time.monotonic()
@@ -80,9 +85,12 @@ class StageCheckpoints:
             return
         if stage not in self.stages:
             raise ValueError(f"unknown stage {stage!r}")
+        spent = self.spent() if spent is None else int(spent)
+        evaluation = state.get("partial_calls", state.get("fplus_calls")) if stage.endswith("partial") else None
         self.store.checkpoint(self.name, self.code, {
             "stage": stage, "state": state, "rng": rng_state if rng_state is not None else self.rng.bit_generator.state,
-            "spent": self.spent() if spent is None else int(spent)})
+            "spent": spent}, meta={"stage": stage, "spent": spent, "evaluation": evaluation,
+                                   "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         self._last = time.monotonic()
 
     def to_run(self, stage: str, done: str | None) -> bool:
@@ -106,4 +114,4 @@ class StageCheckpoints:
         return got["stage"], got["state"]
 
 
-__all__ = ["StageCheckpoints", "STAGES"]
+__all__ = ["StageCheckpoints", "STAGES", "current_code"]
