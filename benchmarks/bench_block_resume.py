@@ -107,10 +107,9 @@ def main(argv=None) -> int:
               f"{row.get('journal_sent', 0):,} sent")
         print(f"all attempts: {total:.1f} s of wall time ({total / wall:.2f}x the uninterrupted run); "
               f"{answered(journal):,} positions answered by the black box in all (the uninterrupted run: "
-              f"{positions:,}; more where a refit resumed from a partial checkpoint ends elsewhere and the stages "
-              "after it ask other queries)")
-    print(f"queries {row['queries']:,} (uninterrupted {whole['queries']:,}); fidelity {row['fidelity_max_rel_err']:.3g} "
-          f"(uninterrupted {whole['fidelity_max_rel_err']:.3g}); model check {row['model_check']['verdict']}")
+              f"{positions:,})")
+    print(f"queries {row['queries']:,} (uninterrupted {whole['queries']:,}); "
+          f"fidelity {row['fidelity_max_rel_err']:.3g} (uninterrupted {whole['fidelity_max_rel_err']:.3g}); model check {row['model_check']['verdict']}")
     print("parts: " + ", ".join(f"{k[:-8]} {row[k]:.2e} ({whole[k]:.2e})" for k in PARTS if k in row))
     return 0 if row["model_check"]["verdict"] == "pass" else 1
 
