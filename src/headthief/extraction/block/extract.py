@@ -18,7 +18,8 @@ The parts are assembled into a :class:`~headthief.models.bert_block.BertBlock` (
 input fixed by ``|gamma_1| = sqrt(d)``; ``K_h = sqrt(d_h) A_h^T``, ``Q_h = B_h^T`` for ``W_h = A_h B_h^T``;
 ``b_K = b_V = 0``), which answers like the target and is checked on fresh sequences of 1 to 16 tokens.
 
-With a journal, the run keeps a checkpoint after each stage (and, inside the refits, once a minute):
+With a journal, the run keeps a checkpoint after each stage (and inside the refits every 50 evaluations, at
+most once a minute):
 given the same journal again it goes on after the last one (:mod:`.resume`).
 
 Genuine symmetries (what no query can tell apart, and the comparison with a truth goes modulo): head
