@@ -404,7 +404,8 @@ def _run_block(oracle, target, args, progress, clean=None):
                                       verify=kw["verify"], check=kw["check"], progress=progress)
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
-                         max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)))
+                         max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),
+                         refit_device=getattr(args, "refit_device", None))
 
 
 def _expected_block(target, args):

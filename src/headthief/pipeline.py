@@ -84,6 +84,7 @@ class Options:
     ffn: int | None = None
     stage_f: str = "auto"
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
+    refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -128,7 +129,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
-    "ffn": {"block", "encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
+    "ffn": {"block", "encoder"}, "stage_f": {"block"}, "max_tflop": {"block"}, "refit_device": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -275,6 +276,9 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--stage-f must be auto, full or probes, got {opts.stage_f!r}")
     if not opts.max_tflop > 0:                 # NaN too
         raise SpecError(f"--max-tflop must be > 0, got {opts.max_tflop}")
+    if opts.refit_device not in (None, "numpy"):
+        from .extraction.block.torch_losses import check_device
+        check_device(opts.refit_device)            # a bad name, no torch, no CUDA: refused before any query
     if opts.save:
         check_output_path(saved_path(opts.save), "--save")
     if opts.journal:

@@ -55,6 +55,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
                         "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "
                         "(MiniLM's blocks in float32: about 5,000)")
+    e.add_argument("--refit-device", dest="refit_device", default=None, metavar="DEV",
+                   help="block: where the two refits' losses run: numpy (default), cpu (torch), cuda or cuda:N (a "
+                        "GPU: the refits are most of a MiniLM block's arithmetic)")
     e.add_argument("--max-len", dest="max_len", type=int, default=D.max_len, metavar="N",
                    help="rope: the longest query the extraction sends, in tokens (default 16)")
     e.add_argument("--verify-len", dest="verify_len", type=int, default=D.verify_len, metavar="N",

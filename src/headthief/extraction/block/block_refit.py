@@ -139,7 +139,7 @@ def _with(block, p: dict):
 
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
-                rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None):
+                rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None, device: str | None = None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
@@ -147,7 +147,8 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     diagonal (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
     ``scaled=False``: in the parameters themselves, as first built). :class:`ConvergenceError` if the fit
     cannot improve. ``checkpoint(calls, block)``, if given, gets the block at the current parameters every
-    ``CHECKPOINT_EVERY`` evaluations (a long refit's progress kept where the caller wants it)."""
+    ``CHECKPOINT_EVERY`` evaluations (a long refit's progress kept where the caller wants it). ``device``: a
+    torch device for the loss and its gradient (:mod:`.torch_losses`; None: numpy)."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     block = gauged(block)               # the loss's gauges (module docstring); the same answers
     start = params_of(block)
@@ -156,15 +157,21 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
-    L0, G0 = loss_and_grad(theta, shapes, groups, fixed)
+    if device is None:
+        def evaluate(th, shift=None):
+            moved = groups if shift is None else [(X, Y - w) for (X, Y), w in zip(groups, shift)]
+            return loss_and_grad(th, shapes, moved, fixed)
+    else:
+        from .torch_losses import BlockLoss
+        evaluate = BlockLoss(shapes, groups, fixed, device)
+    L0, G0 = evaluate(theta)
     rng = np.random.default_rng(0) if rng is None else rng
-    scale = diagonal_scale(lambda: loss_and_grad(theta, shapes, [(X, Y - signs(rng, Y.shape)) for X, Y in groups],
-                                                 fixed)[1] - G0) if scaled else None
+    scale = diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0) if scaled else None
     calls = [0]
 
     def fun(th):
         calls[0] += 1
-        L, G = loss_and_grad(th, shapes, groups, fixed)
+        L, G = evaluate(th)
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:

@@ -49,6 +49,7 @@ from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
+from .torch_losses import check_device
 from .one_token_refit import model_jacobian, refit_from_oracle
 from .smoothness import check_smooth_activation
 from .arithmetic import MAX_TFLOP, describe, over_limit, planned
@@ -306,13 +307,15 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
-                  stage_f: str = "auto", max_tflop: float = MAX_TFLOP) -> BlockExtraction:
+                  stage_f: str = "auto", max_tflop: float = MAX_TFLOP,
+                  refit_device: str | None = None) -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
     they need a quarter of the queries or fewer). Where the stages after V plan more than ``max_tflop``
     TFLOP (:mod:`.arithmetic`; MiniLM's size: thousands), the run stops after stage V with
-    :class:`~headthief.errors.ComputeLimit`, the parts read so far attached as ``.result``."""
+    :class:`~headthief.errors.ComputeLimit`, the parts read so far attached as ``.result``. ``refit_device``:
+    a torch device for the two refits' losses (:mod:`.torch_losses`; None or ``numpy``: numpy)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     rng = np.random.default_rng(rng)
@@ -320,6 +323,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     if ffn is None or int(ffn) < 1:
         raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
     probes = _probes(d, int(ffn), stage_f)
+    device = check_device(refit_device)           # before the first query
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
@@ -402,7 +406,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 
             describe("F+ one-token refit")
             part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale,
-                                                          start=st.get("fplus"), checkpoint=keep_f,
+                                                          start=st.get("fplus"), checkpoint=keep_f, device=device,
                                                           progress=fit_progress("F+ one-token refit"))
             if "fplus" in st:
                 refit["resumed_from_evaluation"] = st["fplus_calls"]
@@ -437,7 +441,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
                                       "stages": stages, "seconds": seconds}, **after_a)
 
         describe("R block refit")
-        block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"))
+        block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"),
+                                    device=device)
         refit.update(brefit)
         mark("R", q0)
         st = {**{k: v for k, v in st.items() if k not in ("partial", "partial_calls")}, "block": block, "refit": refit}
@@ -455,7 +460,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
             "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,
-            "resumed_from": done, "queries_restored": ck.offset,
+            "resumed_from": done, "queries_restored": ck.offset, "refit_device": device,
             **{(k if k.startswith("block_") else f"one_token_{k}"): v for k, v in refit.items()},
             "fitted": ("FFN span (iterated), neuron profiles (1-D fits), heads (alternating least squares); "
                        "the rest exact algebra" if not coarse else
