@@ -40,7 +40,7 @@ def run(args) -> int:
         print(f"headthief: no journal at {path}", file=sys.stderr)
         return 2
     try:
-        j = Journal(path)
+        j = Journal(path, check_records=False)     # a MiniLM run's journal holds tens of GB: not read here
         try:
             info = j.summary()
         finally:

@@ -91,9 +91,12 @@ class Journal(Transcript):
         path: the journal file (created when missing).
         fingerprint: what the run is (target, method, seed, settings). A new journal records it; an
             existing one must have been written with the same, else :class:`JournalMismatch`.
+        check_records: check every record's checksum now (False: only as each is read back; ``journal show``
+            on a MiniLM run's journal of tens of GB).
     """
 
-    def __init__(self, path: str | os.PathLike, fingerprint: Mapping[str, Any] | None = None):
+    def __init__(self, path: str | os.PathLike, fingerprint: Mapping[str, Any] | None = None,
+                 check_records: bool = True):
         super().__init__()
         self.path = Path(path)
         self.fingerprint = dict(fingerprint or {})
@@ -137,7 +140,8 @@ class Journal(Transcript):
         # every record is checked now, row by row, and none is kept in memory: answers are read back from the
         # file when asked for (a MiniLM block's stage A alone answers 5.4 million queries, 22 GB of float64)
         try:
-            for rid, key, n, blob, chk in self._db.execute("SELECT id, key, n, answers, checksum FROM answers"):
+            for rid, key, n, blob, chk in (self._db.execute("SELECT id, key, n, answers, checksum FROM answers")
+                                           if check_records else ()):
                 self._unpack(rid, key, n, blob, chk)
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
