@@ -14,9 +14,9 @@ FFN after the one-token refit F+, the heads of stage A read through F+'s one-tok
 for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 37,000 positions) and
 :func:`~headthief.extraction.block.one_token_refit.random_answers`: random one-token queries (30,792), for at
 most ``--iterations`` iterations. ``--save`` pickles the refitted block (and, every 50 evaluations, the
-block so far: a run cut short keeps its progress); given to ``--load``, R goes on from
-it (its L-BFGS memory and scaling drawn afresh). Prints the rms by evaluation, then before and after: the
-fidelity (max |y - y_real| over the answers' rms, every position) on fresh sequences of 1 to 16 tokens of
+block so far: a run cut short keeps its progress); given to ``--load``, R goes on from it (its L-BFGS
+memory and scaling drawn afresh). ``--device cuda``: R's loss on a GPU (``--refit-device``). Prints the rms
+by evaluation, then before and after: the fidelity (max |y - y_real| over the answers' rms, every position) on fresh sequences of 1 to 16 tokens of
 norm sqrt(d), on the 285 shipped sentences' ``hidden_states[L]`` in the real model and on fresh sequences on
 the previous LayerNorm's image (the issue's two measures), and every part against the checkpoint modulo the
 symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and neurons), queries and
@@ -106,7 +106,11 @@ def main() -> None:
                     help="at most this many L-BFGS iterations (0: only the figures of the loaded block)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", default=None, help="pickle the refitted block (and what it cost) here")
+    ap.add_argument("--device", default=None, help="a torch device for R's loss (cpu, cuda): --refit-device's path")
     args = ap.parse_args()
+    if args.device is not None:
+        from headthief.extraction.block.torch_losses import check_device
+        check_device(args.device)
     if args.save is not None:
         open(args.save, "ab").close()                   # the output path checked before the first query
     with open(args.load, "rb") as fh:
@@ -160,7 +164,7 @@ def main() -> None:
              saved["minutes"] + (time.perf_counter() - t0) / 60)
 
     fitted, info = refit_block(start, groups, max_iter=args.iterations, progress=progress, rng=rng,
-                               checkpoint=None if args.save is None else checkpoint)
+                               checkpoint=None if args.save is None else checkpoint, device=args.device)
     print(f"R: {info['block_refit_iterations']} iterations, rms {info['block_refit_rms_before']:.3e} -> "
           f"{info['block_refit_rms_after']:.3e}, {(time.perf_counter() - t0) / 60:.1f} min "
           f"({info['block_refit_message']})", flush=True)
