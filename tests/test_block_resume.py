@@ -204,3 +204,24 @@ def test_journal_show_says_where_a_run_stands(tmp_path, capsys):
     assert "after V" in out and "written by another version" in out and f"--target {spec}" in out
     assert main(["journal", "show", str(tmp_path / "none.sqlite")]) == 2
     assert "no journal at" in capsys.readouterr().err
+
+
+def test_the_encoder_progress_bar_counts_queries_and_names_the_block():
+    from headthief.extraction.block.encoder import extract_encoder
+    from headthief.targets import resolve
+
+    class Bar:
+        def __init__(self):
+            self.count, self.texts = 0, []
+
+        def __call__(self, n):
+            self.count += n
+
+        def describe(self, text):
+            self.texts.append(text)
+
+    bar = Bar()
+    oracle = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1").make_oracle()
+    res = extract_encoder(oracle, layers=2, heads=2, ffn=8, rng=1, verify=16, progress=bar)
+    assert bar.count == res.queries == oracle.queries - 16          # every query but the model check's
+    assert bar.texts == ["block 0 of 2", "block 1 of 2"]

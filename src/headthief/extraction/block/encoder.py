@@ -333,6 +333,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     done, st = ck.load()                    # a journal's checkpoint: go on after the last block it holds
     if done is None:
         emb = embedding_stage(oracle, rng, length=length, d_hidden=d)
+        if progress is not None:
+            progress(int(oracle.queries - q_start))
         st = {"emb": emb, "blocks": [], "per": [], "figures": [], "worst_eps": 0.0, "kind": None}
         ck.save("E", st)
     emb = st["emb"]
@@ -341,9 +343,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     worst_eps, kind = st["worst_eps"], st["kind"]
     image = paths.image if not blocks else LayerNormImage(np.asarray(blocks[-1].ln2_gamma, np.float64),
                                                           np.asarray(blocks[-1].ln2_beta, np.float64))
-    if progress is not None:
-        for k in range(len(blocks)):
-            progress(k)
+    if progress is not None and ck.offset:
+        progress(ck.offset)                 # the restored stages' queries
     from .extract import parts_of
     from .heads import Heads
     from .on_image import ImageBlockExtraction
@@ -451,7 +452,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         ck.save(f"block {k}", {"emb": emb, "blocks": blocks, "per": per, "figures": figures, "worst_eps": worst_eps,
                                "kind": kind})
         if progress is not None:
-            progress(k)
+            progress(int(oracle.queries - q0))  # the bar counts queries (it advanced by the block's index before)
     from ..check import cost
     from ..precision import ModelCheck
     res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=ck.spent(),
