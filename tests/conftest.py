@@ -1,4 +1,4 @@
-"""Hypothesis profiles.
+"""Hypothesis profiles, and a fixture the block refit tests share.
 
 ``ci`` (the default): derandomized, so the suite draws the same examples on every run and a CI
 result can be reproduced. ``explore``: fresh random examples on every run, to look for new failures:
@@ -7,6 +7,7 @@ result can be reproduced. ``explore``: fresh random examples on every run, to lo
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None)
@@ -40,3 +41,20 @@ _LONGEST_FIRST = ("test_reproduce.py", "test_block_float32.py", "test_block_extr
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: order within a file kept
+
+
+@pytest.fixture
+def perturbed_block():
+    """A refit problem: a random block (d = 8, beta_1, b_K, b_V != 0), 60 sequences of 4 tokens and its
+    answers, and a start with W_1 moved by 1e-2: ``(truth, start, X, Y)``."""
+    import dataclasses
+
+    import numpy as np
+
+    from headthief.models.bert_block import random_block
+    truth = random_block(8, 2, 8, seed=3)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((60, 4, 8))
+    start = dataclasses.replace(truth, W1=truth.W1 + 1e-2 * rng.standard_normal(truth.W1.shape))
+    return truth, start, X, truth.forward(X)
+

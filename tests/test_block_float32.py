@@ -56,14 +56,10 @@ def test_block_loss_is_the_block_and_its_gradient_is_exact():
     assert np.max(np.abs(num - G)) <= 1e-7 * np.max(np.abs(G))
 
 
-def test_block_refit_of_an_ungauged_start_and_its_checkpoints():
+def test_block_refit_of_an_ungauged_start_and_its_checkpoints(perturbed_block):
     # a start with beta_1, b_K, b_V != 0 (gauges the loss fixes at 0): the refitted block and every checkpoint
     # must answer as the fit measured them (was: the returned block kept the start's beta_1, b_K, b_V)
-    truth = random_block(8, 2, 8, seed=3)
-    rng = np.random.default_rng(5)
-    X = rng.standard_normal((60, 4, 8))
-    Y = truth.forward(X)
-    start = dataclasses.replace(truth, W1=truth.W1 + 1e-2 * rng.standard_normal(truth.W1.shape))
+    truth, start, X, Y = perturbed_block
     assert np.any(truth.ln1_beta != 0) and np.any(truth.attention.bv != 0)
     seen = []
     fitted, info = block_refit.refit_block(start, [(X, Y)], max_iter=200,

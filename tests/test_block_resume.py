@@ -116,21 +116,24 @@ def test_a_checkpoint_naming_a_callable_is_refused():
         loads(b"not a pickle")
 
 
+class _Bar:
+    """A progress bar that keeps what it is told."""
+
+    def __init__(self):
+        self.count, self.texts = 0, []
+
+    def __call__(self, n):
+        self.count += n
+
+    def describe(self, text):
+        self.texts.append(text)
+
+
 def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
     from headthief.models.bert_block import random_block
     from headthief.oracles.base import ModelOracle
 
-    class Bar:
-        def __init__(self):
-            self.count, self.texts = 0, []
-
-        def __call__(self, n):
-            self.count += n
-
-        def describe(self, text):
-            self.texts.append(text)
-
-    bar = Bar()
+    bar = _Bar()
     oracle = ModelOracle(random_block(12, 2, 12, seed=41, dtype=np.float32))
     res = extract.extract_block(oracle, heads=2, ffn=12, rng=41, verify=16, progress=bar)
     assert bar.count == res.queries == oracle.queries - 16
@@ -210,17 +213,7 @@ def test_the_encoder_progress_bar_counts_queries_and_names_the_block():
     from headthief.extraction.block.encoder import extract_encoder
     from headthief.targets import resolve
 
-    class Bar:
-        def __init__(self):
-            self.count, self.texts = 0, []
-
-        def __call__(self, n):
-            self.count += n
-
-        def describe(self, text):
-            self.texts.append(text)
-
-    bar = Bar()
+    bar = _Bar()
     oracle = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1").make_oracle()
     res = extract_encoder(oracle, layers=2, heads=2, ffn=8, rng=1, verify=16, progress=bar)
     assert bar.count == res.queries == oracle.queries - 16          # every query but the model check's

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -47,12 +45,8 @@ def test_the_one_token_loss_and_gradient_are_numpys():
     assert abs(Lt - L) <= 1e-12 * L and np.max(np.abs(Gt - G)) <= 1e-11 * np.max(np.abs(G))
 
 
-def test_a_refit_on_the_torch_device_reaches_numpys_result():
-    truth = random_block(8, 2, 8, seed=3)
-    rng = np.random.default_rng(5)
-    X = rng.standard_normal((60, 4, 8))
-    Y = truth.forward(X)
-    start = dataclasses.replace(truth, W1=truth.W1 + 1e-2 * rng.standard_normal(truth.W1.shape))
+def test_a_refit_on_the_torch_device_reaches_numpys_result(perturbed_block):
+    _, start, X, Y = perturbed_block
     a, ia = block_refit.refit_block(start, [(X, Y)], max_iter=300, rng=np.random.default_rng(1))
     b, ib = block_refit.refit_block(start, [(X, Y)], max_iter=300, rng=np.random.default_rng(1), device="cpu")
     assert ib["block_refit_rms_before"] == pytest.approx(ia["block_refit_rms_before"], rel=1e-10)
