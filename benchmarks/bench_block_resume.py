@@ -109,7 +109,8 @@ def main(argv=None) -> int:
               f"{answered(journal):,} positions answered by the black box in all (the uninterrupted run: "
               f"{positions:,})")
     print(f"queries {row['queries']:,} (uninterrupted {whole['queries']:,}); "
-          f"fidelity {row['fidelity_max_rel_err']:.3g} (uninterrupted {whole['fidelity_max_rel_err']:.3g}); model check {row['model_check']['verdict']}")
+          f"fidelity {row['fidelity_max_rel_err']:.3g} (uninterrupted {whole['fidelity_max_rel_err']:.3g}); "
+          f"model check {row['model_check']['verdict']}")
     print("parts: " + ", ".join(f"{k[:-8]} {row[k]:.2e} ({whole[k]:.2e})" for k in PARTS if k in row))
     return 0 if row["model_check"]["verdict"] == "pass" else 1
 

@@ -16,11 +16,11 @@ for at this size: random sequences of 2, 4, 8 and 16 tokens (``refit_counts``: 3
 most ``--iterations`` iterations. ``--save`` pickles the refitted block (and, every 50 evaluations, the
 block so far: a run cut short keeps its progress); given to ``--load``, R goes on from it (its L-BFGS
 memory and scaling drawn afresh). ``--device cuda``: R's loss on a GPU (``--refit-device``). Prints the rms
-by evaluation, then before and after: the fidelity (max |y - y_real| over the answers' rms, every position) on fresh sequences of 1 to 16 tokens of
-norm sqrt(d), on the 285 shipped sentences' ``hidden_states[L]`` in the real model and on fresh sequences on
-the previous LayerNorm's image (the issue's two measures), and every part against the checkpoint modulo the
-symmetries (:func:`headthief.extraction.block.block_errors`, worst over heads and neurons), queries and
-minutes.
+by evaluation, then before and after: the fidelity (max |y - y_real| over the answers' rms, every
+position) on fresh sequences of 1 to 16 tokens of norm sqrt(d), on the 285 shipped sentences'
+``hidden_states[L]`` in the real model and on fresh sequences on the previous LayerNorm's image (the
+issue's two measures), and every part against the checkpoint modulo the symmetries
+(:func:`headthief.extraction.block.block_errors`, worst over heads and neurons), queries and minutes.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def _with(block, p: dict):
 
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
-                rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None, device: str | None = None):
+                rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None,
+                device: str | None = None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
@@ -166,7 +167,8 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
         evaluate = BlockLoss(shapes, groups, fixed, device)
     L0, G0 = evaluate(theta)
     rng = np.random.default_rng(0) if rng is None else rng
-    scale = diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0) if scaled else None
+    scale = (diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0)
+             if scaled else None)
     calls = [0]
 
     def fun(th):
