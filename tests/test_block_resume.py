@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import pickle
 import sqlite3
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import headthief as ht
 from headthief.extraction.block import extract, resume
-from headthief.oracles.checkpoints import CheckpointError, code_fingerprint, dumps, loads
+from headthief.oracles.checkpoints import CheckpointError, code_of, dumps, loads, module_closure
 from headthief.oracles.journal import Journal, JournalError
 
 SPEC = "bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32"      # float32: every stage, both refits
@@ -96,7 +97,35 @@ def test_checkpoints_of_other_code_are_not_used_and_damage_is_named(tmp_path):
     with pytest.raises(JournalError, match="checkpoint 'block' fails its checksum"):
         j.restore("block", "code-a")
     j.close()
-    assert len(code_fingerprint("extraction.block", "models")) == 24
+
+
+def test_the_code_fingerprint_follows_the_imports_and_ignores_docstrings(tmp_path):
+    """A checkpoint's ``code``: the method's module and what it imports, at any depth, docstrings aside."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text('"""A."""\nfrom .b import f\n\n\ndef g():\n    from .sub import c\n    return c.x\n')
+    (pkg / "b.py").write_text("import pkg.sub.d\n\n\ndef f():\n    return 1\n")
+    (pkg / "sub" / "c.py").write_text("x = 2\n")
+    (pkg / "sub" / "d.py").write_text("from ..e import y\n")
+    (pkg / "e.py").write_text("y = 3\n")
+    (pkg / "unused.py").write_text("z = 4\n")
+    got = {p.relative_to(pkg).as_posix() for p in module_closure(pkg, [pkg / "a.py"])}
+    assert got == {"a.py", "b.py", "sub/__init__.py", "sub/c.py", "sub/d.py", "e.py"}
+    src = 'def f(a):\n    """Doc."""\n    return a + 1  # one\n'
+    assert code_of(src) == code_of('def f(a):\n    """Another doc."""\n\n    return a + 1\n')
+    assert code_of(src) == code_of("def f(a):\n    return (a +\n            1)\n")
+    assert code_of(src) != code_of("def f(a):\n    return a + 2\n")
+    assert code_of('"""only a docstring"""\n') == code_of("")
+    block, encoder = resume.current_code("block"), resume.current_code("encoder")
+    assert len(block) == 24 and block != encoder
+    root = Path(ht.__file__).parent
+    files = {p.relative_to(root).as_posix() for p in module_closure(root, [root / "extraction/block/extract.py"])}
+    assert {"extraction/block/block_refit.py", "extraction/vector/affine.py", "models/bert_block.py"} <= files
+    assert "extraction/block/encoder.py" not in files and not any(f.startswith("cli/") for f in files)
+    with pytest.raises(ValueError, match="no checkpointing method 'heads'"):
+        resume.current_code("heads")
 
 
 class _Evil:

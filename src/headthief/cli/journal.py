@@ -33,7 +33,7 @@ def _size(n: int) -> str:
 
 
 def run(args) -> int:
-    from ..extraction.block.resume import current_code
+    from ..extraction.block.resume import ENTRIES, current_code
     from ..oracles.journal import Journal, JournalError
     path = Path(args.path)
     if not path.is_file() or path.stat().st_size == 0:
@@ -48,9 +48,8 @@ def run(args) -> int:
     except JournalError as e:
         print(f"headthief: {e}", file=sys.stderr)
         return 2
-    code = current_code()
     for c in info["checkpoints"]:
-        c["usable"] = c["code"] == code
+        c["usable"] = c["name"] in ENTRIES and c["code"] == current_code(c["name"])
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return 0

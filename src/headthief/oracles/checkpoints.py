@@ -18,6 +18,7 @@ code is not used (the stage is computed again, its answers from the journal). Un
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import hashlib
@@ -93,18 +94,71 @@ def loads(blob: bytes):
         raise CheckpointError(f"a checkpoint cannot be read ({type(e).__name__}: {e})") from None
 
 
-def code_fingerprint(*packages: str) -> str:
-    """A hash of the source files of ``packages`` (dotted names under headthief, e.g. ``extraction.block``):
-    a checkpoint is used only by the code that wrote it."""
+def code_fingerprint(*modules: str) -> str:
+    """A hash of the code that ``modules`` (dotted names under headthief, e.g. ``extraction.block.extract``) run:
+    their own and every headthief module they import, directly or not (:func:`module_closure`), each as its
+    syntax tree without docstrings. A checkpoint is used only by the code that wrote it; an edit elsewhere in
+    the package, or to a docstring or a comment, keeps it."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.blake2b(digest_size=12)
-    for pkg in sorted(packages):
-        base = root.joinpath(*pkg.split("."))
-        files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
-        for f in files:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
+    for f in module_closure(root, [root.joinpath(*m.split(".")).with_suffix(".py") for m in modules]):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(code_of(f.read_text()).encode())
     return h.hexdigest()
+
+
+def code_of(source: str) -> str:
+    """The syntax tree of ``source`` without docstrings and positions (``ast.dump``): equal for two sources that
+    differ only in comments, docstrings, blank lines or line breaks inside an expression."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
+    return ast.dump(tree, include_attributes=False)
+
+
+def module_closure(root: Path, files: list[Path]) -> list[Path]:
+    """``files`` and every module of the package at ``root`` they import (relative or ``headthief.``
+    imports, at any depth, inside functions too), sorted."""
+    seen: set[Path] = set()
+    todo = [Path(f) for f in files]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        if not f.is_file():
+            raise FileNotFoundError(f"no module {f}")
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            todo += [t for t in _imported(root, f, node) if t not in seen]
+    return sorted(seen)
+
+
+def _imported(root: Path, f: Path, node: ast.AST) -> list[Path]:
+    """The package's module files an import statement ``node`` in file ``f`` names."""
+    names: list[tuple[Path, list[str]]] = []
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = f.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+        elif node.module and node.module.split(".")[0] == root.name:
+            base = root.parent
+        else:
+            return []
+        target = base.joinpath(*node.module.split(".")) if node.module else base
+        names.append((target, [a.name for a in node.names]))
+    elif isinstance(node, ast.Import):
+        names += [(root.parent.joinpath(*a.name.split(".")), []) for a in node.names
+                  if a.name.split(".")[0] == root.name]
+    out = []
+    for target, members in names:
+        cands = [target.with_suffix(".py"), target / "__init__.py"] + [target / f"{m}.py" for m in members]
+        out += [c for c in cands if c.is_file()]
+    return out
 
 
 def checkpoint_blob_checksum(name: str, code: str, blob: bytes) -> bytes:
@@ -114,4 +168,4 @@ def checkpoint_blob_checksum(name: str, code: str, blob: bytes) -> bytes:
     return h.digest()
 
 
-__all__ = ["CheckpointError", "code_fingerprint", "dumps", "loads"]
+__all__ = ["CheckpointError", "code_fingerprint", "code_of", "dumps", "loads", "module_closure"]

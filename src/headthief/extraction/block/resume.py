@@ -45,9 +45,16 @@ def _every() -> float:
     return every
 
 
-def current_code() -> str:
-    """The code fingerprint this version writes its checkpoints with (and uses only those of)."""
-    return code_fingerprint("extraction.block", "models")
+ENTRIES = {"block": "extraction.block.extract", "encoder": "extraction.block.encoder"}
+
+
+def current_code(name: str = NAME) -> str:
+    """The code fingerprint this version writes the checkpoint ``name`` (``block`` or ``encoder``) with, and
+    uses only those of: the method's module and every headthief module it imports (docstrings and comments
+    aside, :func:`~headthief.oracles.checkpoints.code_fingerprint`)."""
+    if name not in ENTRIES:
+        raise ValueError(f"no checkpointing method {name!r} (known: {', '.join(ENTRIES)})")
+    return code_fingerprint(ENTRIES[name])
 
 
 def _store(oracle: Oracle):
@@ -69,7 +76,7 @@ class StageCheckpoints:
         self.oracle, self.rng, self.q0 = oracle, rng, int(queries_before)
         self.name, self.stages = name, tuple(stages)
         self.store = _store(oracle)
-        self.code = current_code() if self.store is not None else ""
+        self.code = current_code(self.name) if self.store is not None else ""
         self.offset = 0                   # queries of the restored stages (asked by the run that wrote them)
         self.every = float(every) if every is not None else _every()
         self._last = time.monotonic()
