@@ -3,6 +3,7 @@ value-output map (stage V) and the activation check, against the truth of random
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,42 @@ def test_output_layernorm_float32_within_its_own_precision():
     bound = 1e3 * ln.sphere_residual * scale
     assert np.max(np.abs(ln.gamma - block.ln2_gamma)) <= bound
     assert np.max(np.abs(ln.beta - block.ln2_beta)) <= bound
+
+
+def test_output_layernorm_of_minilm_block_5_with_its_tiny_gammas():
+    """all-MiniLM-L6-v2's last LayerNorm has gamma -6.0e-33, -4.8e-33 and -1.5e-9 at coordinates 127, 223 and
+    319 (beta -8.6e-33, 1.6e-32, -8.7e-8). float32 keeps 7 digits of those answers, so n is seen there: stage
+    L, fitting in units of each coordinate's spread, reads every gamma and beta, the three included, within
+    the answers' own precision in n's units (it refused them as constant before)."""
+    from headthief.models.bert_block import from_minilm
+    block = from_minilm(5, dtype=np.float32)
+    g, b = np.asarray(block.ln2_gamma, np.float64), np.asarray(block.ln2_beta, np.float64)
+    tiny = [127, 223, 319]
+    assert np.all(np.abs(g[tiny]) < 1e-8) and np.all(g[tiny] < 0) and g.sum() > 0
+    ln = fit_output_layernorm(answers(block, 17, k=20))                # 400 answers, d = 384
+    bound = 1e3 * ln.sphere_residual
+    assert 1e-9 < ln.sphere_residual < 1e-6
+    assert np.max(np.abs(ln.gamma / g - 1)) <= bound                   # per coordinate, sign included
+    assert np.max(np.abs(ln.beta - b) / np.abs(g)) <= bound            # beta's error in n's units
+    n = ln.normalized(answers(block, 18, k=2))
+    assert np.max(np.abs(np.linalg.norm(n, axis=1) / np.sqrt(384) - 1)) <= bound
+
+
+def test_output_layernorm_sign_and_small_gammas():
+    """The sign rule is sum(gamma) > 0 (the docstring's; it was sum(1 / gamma) > 0, which three tiny negative
+    gammas decide); gamma x 1e-3 at two coordinates is read as well as the others (unscaled, beta's absolute
+    error over that gamma left n 3e-9 off there, and stage F's span unsettled: measured)."""
+    block = random_block(D, H, FFN, seed=19)
+    g = np.array(block.ln2_gamma)
+    g[[2, 5]] *= 1e-3
+    g[7] *= -1e-3
+    for truth in (g, -g):
+        target = dataclasses.replace(block, ln2_gamma=truth)
+        ln = fit_output_layernorm(answers(target, 19))
+        assert ln.gamma.sum() > 0
+        sign = np.sign(truth.sum())
+        assert np.max(np.abs(ln.gamma / (sign * truth) - 1)) <= 1e-9
+        assert np.max(np.abs(ln.beta - block.ln2_beta) / np.abs(truth)) <= 1e-9
 
 
 def test_answers_without_a_final_layernorm_are_a_mismatch():

@@ -161,10 +161,12 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
 @dataclass(frozen=True)
 class OutputLayerNormRead:
     """One layer's output LayerNorm as far as its answers fix it: ``ln`` (stage L), or, where some output
-    coordinates are constant (gamma ~ 0: all-MiniLM-L6-v2's last LayerNorm has gamma 4.8e-33, 6.0e-33 and
-    1.5e-9 at coordinates 223, 127 and 319), those coordinates (``constant``) and their values (beta there),
-    with ``ln`` None: the normalised vector's coordinates there are never seen, so the hyperplane and the
-    sphere stage L fits are lost and the other gammas and betas are not fixed by the answers."""
+    coordinates are constant (gamma = 0, or answers that do not resolve ``gamma n`` against beta there), those
+    coordinates (``constant``) and their values (beta there), with ``ln`` None: the normalised vector's
+    coordinates there are never seen, so the hyperplane and the sphere stage L fits are lost and the other
+    gammas and betas are not fixed by the answers. (all-MiniLM-L6-v2's last LayerNorm, gamma -6.0e-33,
+    -4.8e-33 and -1.5e-9 at coordinates 127, 223 and 319, is not such a case in float32: its answers resolve
+    those coordinates, and stage L fits it in units of each coordinate's spread.)"""
 
     ln: OutputLayerNorm | None
     constant: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))

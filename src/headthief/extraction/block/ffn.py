@@ -631,6 +631,12 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
     A = T * P - ns.T @ ns
     sol, *_ = np.linalg.lstsq(A, -(PG.sum(axis=0) - ns.T @ np.einsum("td,td->t", ns, PG)), rcond=None)
     c = P @ sol
+    # gamma's sign was fixed by sum > 0 (gamma_direction). The pair (LN1, FFN) with u's sign flipped is the
+    # same block with LN2's gamma negated (the module's symmetry): the answers' unit n_t must point along u_t,
+    # not against it (zeta_t > 0), else stage L's sign rule chose the other representative (measured: a block
+    # with sum(gamma_2) < 0 answered fresh one-token queries at fidelity 5.3 before this)
+    if np.median(np.einsum("td,td->t", ns, PG + c)) < 0:
+        gam, W2, c = -gam, -W2, -c
     return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info={**info, "profile_fit_worst": float(max(fits))})
 
 

@@ -48,20 +48,30 @@ class OutputLayerNorm:
         return (np.asarray(Y, dtype=np.float64) - self.beta) / self.gamma
 
 
-CONSTANT = 1e-5          # an output coordinate whose spread is below this fraction of the median spread is constant
+FLAT = 64 * float(np.finfo(np.float32).eps)   # a spread below this fraction of a coordinate's own size: constant
 
 
 def constant_coordinates(Y: np.ndarray) -> np.ndarray:
-    """Output coordinates that do not move over the answers Y (k, d): gamma ~ 0 there (all-MiniLM-L6-v2's last
-    LayerNorm has gamma 4.8e-33, 6.0e-33 and 1.5e-9 at coordinates 223, 127 and 319)."""
-    spread = np.asarray(Y, np.float64).std(axis=0)
-    return np.flatnonzero(spread <= CONSTANT * np.median(spread))
+    """Output coordinates that do not move over the answers Y (k, d), to float32's precision (spread at most
+    ``FLAT`` x their largest magnitude): gamma = 0 there, or so small against beta that the answers' numbers
+    do not resolve it. The normalised vector is not seen there."""
+    Y = np.asarray(Y, np.float64)
+    return np.flatnonzero(Y.std(axis=0) <= FLAT * np.abs(Y).max(axis=0))
 
 
 def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
     """gamma and beta of the LayerNorm that produced the answers ``Y`` (k, d), k >= d + 2 in general
     position (see the module docstring). Raises :class:`NotIdentifiable` for too few or degenerate
-    answers and :class:`ModelMismatch` when the answers do not lie on a hyperplane's ellipsoid."""
+    answers and :class:`ModelMismatch` when the answers do not lie on a hyperplane's ellipsoid.
+
+    The fit runs in units of each coordinate's spread ``s_j`` over the answers (``y / s`` is the output of
+    the LayerNorm ``(gamma / s, beta / s)``; gamma and beta come back multiplied by ``s``): an error in beta_j
+    then weighs as ``n_j``'s error, whatever gamma_j. Unscaled, beta's error is absolute and n_j's is that
+    over gamma_j: measured, gamma_2 x 1e-3 at two coordinates of a float64 d = 12 block left n 3e-9 off there
+    and stage F's span unsettled; and all-MiniLM-L6-v2's last LayerNorm (gamma -6.0e-33, -4.8e-33 and -1.5e-9
+    at coordinates 127, 223 and 319, beta -8.6e-33, 1.6e-32 and -8.7e-8, resolved by float32's 7 digits
+    there) lost its hyperplane under the other coordinates' rounding. Coordinates that do not move at all
+    (:func:`constant_coordinates`) leave the LayerNorm unfixed: refused, naming them."""
     Y = np.asarray(Y, dtype=np.float64)
     if Y.ndim != 2:
         raise ValueError(f"answers must be a (k, d) array, got shape {Y.shape}")
@@ -70,15 +80,26 @@ def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
         raise NotIdentifiable(f"a LayerNorm over d={d} < 3 coordinates leaves no ellipsoid to fit")
     if k < d + 2:
         raise NotIdentifiable(f"fitting a LayerNorm over d={d} needs at least d + 2 = {d + 2} answers, got {k}")
+    const = constant_coordinates(Y)
+    if const.size:
+        raise NotIdentifiable(f"output coordinates {', '.join(map(str, const[:8]))} are constant over {k} answers "
+                              "(the LayerNorm's gamma is ~0 there): the normalised vector is not seen there, so "
+                              "the hyperplane and the ellipsoid that fix gamma and beta are lost")
+    spread = Y.std(axis=0)
+    s = spread / np.median(spread)
+    fit = _fit_in_units(Y / s)
+    gamma = fit.gamma * s
+    return OutputLayerNorm(gamma=gamma if gamma.sum() >= 0 else -gamma, beta=fit.beta * s,
+                           plane_residual=fit.plane_residual, sphere_residual=fit.sphere_residual, answers=k)
+
+
+def _fit_in_units(Y: np.ndarray) -> OutputLayerNorm:
+    """The hyperplane and the ellipsoid of the module docstring, on answers ``Y`` (k, d) already checked."""
+    k, d = Y.shape
     mu = Y.mean(axis=0)
     C = Y - mu
     _, sv, Vt = np.linalg.svd(C, full_matrices=False)
     if sv[-2] <= 1e-9 * sv[0]:
-        const = constant_coordinates(Y)
-        if const.size:
-            raise NotIdentifiable(f"output coordinates {', '.join(map(str, const[:8]))} are constant over {k} answers "
-                                  "(the LayerNorm's gamma is ~0 there): the normalised vector is not seen there, so "
-                                  "the hyperplane and the ellipsoid that fix gamma and beta are lost")
         raise NotIdentifiable(f"the {k} answers span fewer than d - 1 = {d - 1} directions: they do not fix the "
                               "LayerNorm (use more varied queries)")
     a = Vt[-1]
@@ -105,7 +126,7 @@ def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:
     if not s2 > 0:
         raise ModelMismatch("the answers' ellipsoid has a non-positive radius: not a LayerNorm's output",
                             check="output-layernorm", figure=s2, threshold=0.0)
-    gamma = np.sqrt(s2) / a
+    gamma = np.sqrt(s2) / a                           # its global sign: the caller's (beta does not depend on it)
     n = (Y - beta) / gamma
     sphere = float(np.sqrt(np.mean((np.sum(n ** 2, axis=1) / d - 1.0) ** 2)))
     return OutputLayerNorm(gamma=gamma, beta=beta, plane_residual=plane, sphere_residual=sphere, answers=k)
