@@ -19,7 +19,8 @@ memory and scaling drawn afresh). ``--device cuda``: R's loss on a GPU (``--refi
 by evaluation, then before and after: the fidelity (max |y - y_real| over the answers' rms, every
 position) on fresh sequences of 1 to 16 tokens of norm sqrt(d), on the 285 shipped sentences'
 ``hidden_states[L]`` in the real model and on fresh sequences on the previous LayerNorm's image (the
-issue's two measures), and every part against the checkpoint modulo the symmetries
+issue's two measures; on the sentences also each half of the block recovered with the other true:
+:func:`halves`), and every part against the checkpoint modulo the symmetries
 (:func:`headthief.extraction.block.block_errors`, worst over heads and neurons), queries and minutes.
 """
 
@@ -96,6 +97,19 @@ def report(label: str, block, parts, truth, oracle, rng, d: int, inputs=None) ->
         print(f"  fidelity on the {len(real)} sentences' hidden states {fidelity_on(block, oracle, real):.3e}, "
               f"on {len(image)} fresh sequences on the previous LayerNorm's image "
               f"{fidelity_on(block, oracle, image):.3e}", flush=True)
+        split = {name: fidelity_on(hybrid, oracle, real) for name, hybrid in halves(block, truth).items()}
+        print("  on the sentences, one half of the block recovered and the other half true: "
+              + ", ".join(f"{k} {v:.3e}" for k, v in split.items()), flush=True)
+
+
+def halves(block, truth) -> dict:
+    """Where a recovered block's error lies: the recovered attention with the true LN1, FFN and LN2, and the
+    true attention with the recovered LN1, FFN and LN2 (each half keeps its own gauge: LN1 ignores the
+    attention's ones-vector component, and the position-wise half's global scale is its own)."""
+    import dataclasses
+    pos = {k: getattr(block, k) for k in ("ln1_gamma", "ln1_beta", "W1", "b1", "W2", "b2", "ln2_gamma", "ln2_beta")}
+    return {"attention": dataclasses.replace(truth, attention=block.attention),
+            "LN1 + FFN + LN2": dataclasses.replace(truth, **pos)}
 
 
 def main() -> None:
