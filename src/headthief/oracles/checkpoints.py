@@ -101,9 +101,10 @@ def code_fingerprint(*modules: str) -> str:
     the package, or to a docstring or a comment, keeps it."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.blake2b(digest_size=12)
-    for f in module_closure(root, [root.joinpath(*m.split(".")).with_suffix(".py") for m in modules]):
+    trees = _parsed_closure(root, [root.joinpath(*m.split(".")).with_suffix(".py") for m in modules])
+    for f in sorted(trees):
         h.update(str(f.relative_to(root)).encode())
-        h.update(code_of(f.read_text()).encode())
+        h.update(ast.dump(trees[f], include_attributes=False).encode())
     return h.hexdigest()
 
 
@@ -112,29 +113,41 @@ def code_of(source: str) -> str:
     differ only in comments, docstrings, blank lines or line breaks inside an expression."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
+        _strip_docstring(node)
     return ast.dump(tree, include_attributes=False)
+
+
+def _strip_docstring(node: ast.AST) -> None:
+    """Remove ``node``'s docstring, if it has one (in place)."""
+    body = getattr(node, "body", None)
+    if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+            and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        node.body = body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
 
 
 def module_closure(root: Path, files: list[Path]) -> list[Path]:
     """``files`` and every module of the package at ``root`` they import (relative or ``headthief.``
     imports, at any depth, inside functions too), sorted."""
-    seen: set[Path] = set()
+    return sorted(_parsed_closure(root, files))
+
+
+def _parsed_closure(root: Path, files: list[Path]) -> dict[Path, ast.Module]:
+    """:func:`module_closure`'s modules, each with its syntax tree without docstrings (:func:`code_of`'s):
+    every file read, parsed and walked once."""
+    trees: dict[Path, ast.Module] = {}
     todo = [Path(f) for f in files]
     while todo:
         f = todo.pop()
-        if f in seen:
+        if f in trees:
             continue
         if not f.is_file():
             raise FileNotFoundError(f"no module {f}")
-        seen.add(f)
-        for node in ast.walk(ast.parse(f.read_text())):
-            todo += [t for t in _imported(root, f, node) if t not in seen]
-    return sorted(seen)
+        trees[f] = tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            _strip_docstring(node)
+            todo += [t for t in _imported(root, f, node) if t not in trees]
+    return trees
 
 
 def _imported(root: Path, f: Path, node: ast.AST) -> list[Path]:
