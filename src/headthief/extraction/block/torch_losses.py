@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from ...errors import SpecError
+from .lbfgs import unpack
 
 DEVICES = "numpy (default), cpu (torch on the CPU), cuda or cuda:N"
 
@@ -63,18 +64,9 @@ class _Loss:
     def tensor(self, a):
         return self.torch.tensor(np.asarray(a, dtype=np.float64), device=self.device)    # a copy: frozen arrays too
 
-    def _params(self, theta: np.ndarray) -> tuple:
-        t = self.tensor(theta).requires_grad_(True)
-        p, i = {}, 0
-        for name, shape in self.shapes.items():
-            n = int(np.prod(shape))
-            p[name] = t[i:i + n].reshape(shape)
-            i += n
-        return t, p
-
     def run(self, theta: np.ndarray, loss_of) -> tuple[float, np.ndarray]:
-        t, p = self._params(theta)
-        L = loss_of(p)
+        t = self.tensor(theta).requires_grad_(True)
+        L = loss_of(unpack(t, self.shapes))             # views of the one tensor autograd differentiates
         (g,) = self.torch.autograd.grad(L, t)
         return float(L.detach().cpu()), g.detach().cpu().numpy()
 
