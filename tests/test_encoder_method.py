@@ -100,3 +100,26 @@ def test_stage_v_tries_again_after_a_settled_mismatch_only_where_asked():
     unsettled = ConvergenceError("did not settle")
     with pytest.raises(ConvergenceError):                  # the last try neither: not called a mismatch
         retrying(attempts(mismatch(), mismatch(), unsettled), settled_mismatch=True)
+
+
+def test_layernorms_with_negative_gamma_sums_in_an_encoder():
+    """The embeddings' LayerNorm with sum(gamma) < 0: its sign is not a symmetry (``hidden_states[0]`` is seen
+    and the inputs cannot be negated), so stage E fixes it from the offsets' scales, which are norms. With
+    block 0's LN2 and block 1's LN1 negated as well (the image route's stage F flips LN1 and the FFN when the
+    answers point against them), every part is within 1e-9 of this truth, the signs included."""
+    import dataclasses
+    from headthief.extraction.block.encoder import extract_encoder
+    from headthief.models.bert_block import random_encoder
+    from headthief.oracles.base import ModelOracle
+    enc = random_encoder(8, 2, 8, 2, seed=7)
+    b0, b1 = enc.blocks
+    enc = dataclasses.replace(enc, ln_gamma=-enc.ln_gamma,
+                              blocks=(dataclasses.replace(b0, ln2_gamma=-b0.ln2_gamma),
+                                      dataclasses.replace(b1, ln1_gamma=-b1.ln1_gamma)))
+    assert enc.ln_gamma.sum() < 0 and enc.blocks[0].ln2_gamma.sum() < 0 and enc.blocks[1].ln1_gamma.sum() < 0
+    oracle = ModelOracle(enc)
+    res = extract_encoder(oracle, layers=2, heads=2, ffn=8, rng=7, verify=32)
+    assert np.allclose(res.embeddings.ln.gamma, enc.ln_gamma, rtol=1e-9, atol=0)
+    errs = res.errors(enc)
+    assert errs["worst_rel_err"] <= 1e-9 and errs["ln_emb_gamma_rel_err"] <= 1e-9, errs
+    assert res.check.verdict == "pass"

@@ -10,12 +10,16 @@ token_type_embeddings[0]``. Everything about this stage is exact:
   two or more queries with different tokens at position t give ``x_k + c_t = s_k n_k + m_k 1``; their
   differences ``s_k n_k - s_1 n_1 + (m_k - m_1) 1 = x_k - x_1`` fix every scale ``s_k`` (least squares,
   d equations, 2K - 1 unknowns), hence ``c_t = s_1 n_1 - x_1`` up to ``1``;
+* gamma_emb's sign, which the ellipsoid leaves open (unlike a block's LN2, whose sign the block's other parts
+  absorb): the scales are norms, ``s_k = |P (x_k + c_t)| / sqrt(d) > 0``, so scales solved negative mean that
+  n is ``-n`` and gamma_emb is ``-gamma_emb`` (the offsets are the same either way);
 * block 0's inputs can then be set at will: for any wanted ``h_0 = gamma n + beta`` on LN_emb's image,
   ``x_t = r n - c_t`` gives exactly that ``h_0`` (any scale ``r > 0``): :meth:`Embeddings.inputs_for`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +77,7 @@ def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_
     n = ln.normalized(A)                                                 # (k, length, d)
     offsets = np.zeros((length, d))
     worst = 0.0
+    signs = 0
     for t in range(length):
         # unknowns: s_1..s_k, m_2 - m_1 .. m_k - m_1; equations s_j n_j - s_1 n_1 + dm_j 1 = x_j - x_1
         rows, rhs = [], []
@@ -88,6 +93,9 @@ def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_
         worst = max(worst, float(np.linalg.norm(M @ sol - r) / max(np.linalg.norm(r), 1e-300)))
         c = sol[0] * n[0, t] - X[0, t]
         offsets[t] = c - c.mean()
+        signs += int(np.sum(np.sign(sol[:k])))
+    if signs < 0:                                   # the scales are norms: n was -n, gamma_emb is -gamma_emb
+        ln = dataclasses.replace(ln, gamma=-ln.gamma)
     limit = 1e3 * max(ln.sphere_residual, 1e-15)
     if worst > limit:
         raise ModelMismatch(f"hidden_states[0] is not LN(x + c_t) with one offset per position (relative residual "
