@@ -190,6 +190,39 @@ def test_two_blocks_as_one_end_in_exit_5(tmp_path, dtype):
     assert rep.exit_code == 5 and rep.row["model_check"]["check"] == "value-sum"
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_layernorm_eps_of_1e_5_is_a_mismatch_at_stage_l(tmp_path, dtype):
+    """LayerNorms with eps 1e-5 (RoBERTa's) put the answers off the ellipsoid by ~eps / var: exit 5 at stage L,
+    after its queries only, in float32 too (there it was extracted at 20x the fidelity of an eps 1e-12 block).
+    The same block with BERT's 1e-12 passes stage L (the other tests here)."""
+    f = tmp_path / "eps.py"
+    f.write_text(
+        "import dataclasses\n"
+        "import numpy as np\n"
+        "from headthief.models.bert_block import random_block\n"
+        f"A = dataclasses.replace(random_block(16, 4, 32, seed=40, dtype=np.{dtype}), eps=1e-5)\n"
+        "def f(seqs):\n"
+        "    return [A.forward(np.asarray(x)[None])[0] for x in seqs]\n")
+    rep = ht.extract(f"py:{f}:f", "block", d=16, output="all", ffn=32, raise_errors=False)
+    check = rep.row["model_check"]
+    assert rep.exit_code == 5 and check["check"] == "output-layernorm ellipsoid", rep.row
+    assert check["figure"] > check["threshold"] and "eps" in rep.row["error"]
+    from headthief.extraction.block.extract import _ln_sequences
+    assert rep.row["queries_sent"] == _ln_sequences(16)
+
+
+def test_answers_rounded_to_6_decimals_are_extracted_within_their_precision():
+    """A rounding defence over the block (one-token queries pass through it): extracted, its check passed, the
+    fidelity within 100x the rounding's relative size; stage L's ellipsoid check uses that precision, not
+    float64's."""
+    rep = ht.extract(f"{SPEC},seed=41", "block", noise_mode="round:6", verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    tau = 0.5e-6
+    assert tau * 1e-2 < row["fidelity_max_rel_err"] <= 100 * tau
+    assert row["ln2_sphere_residual"] > 1e3 * np.finfo(float).eps              # above float64's own precision
+
+
 def test_block_needs_vector_answers_and_the_ffn_width(tmp_path):
     with pytest.raises(SpecError, match="needs vector answers"):
         ht.extract("random:d=8,seed=1", "block")

@@ -123,3 +123,17 @@ def test_layernorms_with_negative_gamma_sums_in_an_encoder():
     errs = res.errors(enc)
     assert errs["worst_rel_err"] <= 1e-9 and errs["ln_emb_gamma_rel_err"] <= 1e-9, errs
     assert res.check.verdict == "pass"
+
+
+def test_a_block_with_layernorm_eps_1e_5_in_an_encoder_is_named():
+    """Block 1 of an encoder with eps 1e-5 in its LayerNorms: block 0 is extracted, block 1's stage L says it."""
+    import dataclasses
+    from headthief.errors import ModelMismatch
+    from headthief.extraction.block.encoder import extract_encoder
+    from headthief.models.bert_block import random_encoder
+    from headthief.oracles.base import ModelOracle
+    enc = random_encoder(8, 2, 8, 2, seed=8)
+    enc = dataclasses.replace(enc, blocks=(enc.blocks[0], dataclasses.replace(enc.blocks[1], eps=1e-5)))
+    with pytest.raises(ModelMismatch, match="block 1: the answers are off the LayerNorm's ellipsoid") as e:
+        extract_encoder(ModelOracle(enc), layers=2, heads=2, ffn=8, rng=8, verify=32)
+    assert e.value.check == "output-layernorm ellipsoid"

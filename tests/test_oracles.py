@@ -87,3 +87,20 @@ def test_transcript_replays_what_was_paid_for(tmp_path):
 
 def test_repr_shows_settings():
     assert "budget=7" in repr(ModelOracle(random_head(3, rng=0), budget=7))
+
+
+def test_a_noise_wrapper_over_vector_answers_to_one_token_sequences():
+    """A wrapper's packed rows for one-token sequences are those positions' answers (they were refused as
+    answers of the wrong shape, so no defence could wrap --method block's one-token queries)."""
+    from headthief.models.bert_block import random_block
+    from headthief.oracles.tolerance import Tolerance
+    block = random_block(8, 2, 16, seed=3)
+    rng = np.random.default_rng(3)
+    for X in (rng.standard_normal((5, 1, 8)), [rng.standard_normal((1, 8)) for _ in range(4)],
+              rng.standard_normal((3, 4, 8))):
+        inner = ModelOracle(block)
+        y = np.asarray(inner.query_packed(X))
+        noisy = Tolerance(ModelOracle(block), 1e-3, mode="uniform", key=1)
+        z = np.asarray(noisy.query_packed(X))
+        assert z.shape == y.shape and 0 < np.abs(z - y).max() <= 1e-3
+        assert np.array_equal(noisy.query_packed(X), z)                      # the same noise for the same query

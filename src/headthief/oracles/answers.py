@@ -91,8 +91,11 @@ def pack(output: Output, raw, X, d_out: int) -> np.ndarray:
         if y.shape != (n, d_out):
             raise ValueError(f"expected one {d_out}-vector per sequence, shape ({n}, {d_out}); got {y.shape}")
         return y
-    if isinstance(raw, np.ndarray) and raw.ndim == 2 and raw.shape == (int(lens.sum()), d_out) and n != raw.shape[0]:
-        return np.asarray(raw, dtype=np.float64)          # already packed (a wrapper's transformed rows)
+    if isinstance(raw, np.ndarray) and raw.ndim == 2 and raw.shape == (int(lens.sum()), d_out):
+        # already packed (a wrapper's transformed rows); with one-token sequences only, the rows are the
+        # sequences' single positions either way (a noise wrapper over --method block's one-token queries
+        # was refused here before)
+        return np.asarray(raw, dtype=np.float64)
     if isinstance(raw, np.ndarray) and raw.ndim == 3:
         if raw.shape[0] != n or raw.shape[2] != d_out or not np.all(lens == raw.shape[1]):
             raise ValueError(f"expected one (N_i, {d_out}) array per sequence for {n} sequences of lengths "

@@ -52,7 +52,7 @@ from .embeddings import Embeddings, embedding_stage
 from .extract import CHECK_FACTOR, REFIT_LENGTHS
 from .ffn_image import MAX_CONDITION, _dm, best_conditioned, condition_cap, extract_ffn_on_image, ln1_input
 from .image import LayerNormImage
-from .layernorm import fit_output_layernorm
+from .layernorm import check_on_ellipsoid, fit_output_layernorm
 from .lbfgs import SLOW_GAIN
 from .on_image import GOOD_FACTOR, HEADS, answer_precision, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
@@ -357,6 +357,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
         Xl, Yl = _pairs(paths, k, rng, [-(-(2 * d + 8) // length)], [length])[0]
         ln = fit_output_layernorm(Yl.reshape(-1, d))
         eps, kind = answer_precision(oracle, Yl.reshape(-1, d))
+        check_on_ellipsoid(ln, eps, where=f"block {k}: ")
         coarse = eps > COARSE
         worst_eps = max(worst_eps, eps)
         act = check_smooth_activation(_BlockView(paths, k), rng, precision=eps, image=paths.image)

@@ -46,7 +46,7 @@ from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
-from .layernorm import OutputLayerNorm, fit_output_layernorm
+from .layernorm import OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
 from .torch_losses import check_device
@@ -361,6 +361,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
         ln = fit_output_layernorm(Y)
         kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
         eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))
+        check_on_ellipsoid(ln, eps)
         mark("L", q0)
         q0 = oracle.queries
         ratio = check_smooth_activation(oracle, rng, precision=eps, scale=scale).ratio

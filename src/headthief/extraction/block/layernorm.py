@@ -26,6 +26,8 @@ import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
 
+SPHERE_PRECISION = 10   # the answers' distance from the ellipsoid allowed: 10x their precision (measured 1.1 - 1.7x
+SPHERE_EPS = 100        # in float32) or 100x the eps the block models use (BERT's 1e-12: 0.1x of it measured)
 PLANE_LIMIT = 1e-3   # relative distance of the answers from their best hyperplane: beyond it, no final LayerNorm
 
 
@@ -57,6 +59,29 @@ def constant_coordinates(Y: np.ndarray) -> np.ndarray:
     do not resolve it. The normalised vector is not seen there."""
     Y = np.asarray(Y, np.float64)
     return np.flatnonzero(Y.std(axis=0) <= FLAT * np.abs(Y).max(axis=0))
+
+
+def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = "") -> None:
+    """Stage L's model check against the answers' precision: ``|n|^2 / d - 1`` (rms, ``ln.sphere_residual``)
+    within the larger of :data:`SPHERE_PRECISION` x ``precision`` (the answers' relative precision) and
+    :data:`SPHERE_EPS` x BERT's LayerNorm eps (1e-12, which every block model here uses), else
+    :class:`ModelMismatch`.
+
+    A LayerNorm with eps not negligible against its input's variance puts ``|n|^2 = d var / (var + eps)``
+    off the sphere by about eps / var. Measured with transformers' ``BertLayer`` (d = 16), float64: eps 1e-12
+    leaves 1.3e-13, eps 1e-9 1.3e-10, eps 1e-5 1.3e-6; float32 answers: 1.1 - 1.7x their precision 6e-8 with
+    eps 1e-12, 24x with 1e-5. Unchecked, eps 1e-5 (RoBERTa's and many others') ended at stage F's neuron
+    search in float64, refused as "not identifiable", and in float32 was reported extracted at fidelity
+    1.1e-5 (6.0e-7 with eps 1e-12); eps 1e-9 ended at stage F's check, as "not a GELU block"."""
+    from ...models.bert_block import BERT_EPS
+    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS)
+    if ln.sphere_residual > limit:
+        raise ModelMismatch(
+            f"{where}the answers are off the LayerNorm's ellipsoid: rms of |n|^2 / d - 1 is "
+            f"{ln.sphere_residual:.3g} > {limit:.2g} (the larger of {SPHERE_PRECISION}x the answers' precision "
+            f"{precision:.2g} and {SPHERE_EPS}x BERT's LayerNorm eps {BERT_EPS:g}). A LayerNorm with a larger eps "
+            "(1e-5 in RoBERTa and many others) puts them off by about eps / var; the block models here assume "
+            "BERT's 1e-12", check="output-layernorm ellipsoid", figure=ln.sphere_residual, threshold=limit)
 
 
 def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:

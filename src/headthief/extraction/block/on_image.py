@@ -50,7 +50,7 @@ from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, block_
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
-from .layernorm import fit_output_layernorm
+from .layernorm import check_on_ellipsoid, fit_output_layernorm
 from .smoothness import check_smooth_activation
 from .value_sum import COARSE, ValueSum, with_map
 from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
@@ -152,6 +152,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     Y = np.asarray(oracle.query_packed(X_ln))
     ln = fit_output_layernorm(Y)
     eps, kind = answer_precision(oracle, Y)
+    check_on_ellipsoid(ln, eps)
     mark("L", q0)
     q0 = oracle.queries
     act = check_smooth_activation(oracle, rng, precision=eps, image=image)
