@@ -137,3 +137,36 @@ def test_a_block_with_layernorm_eps_1e_5_in_an_encoder_is_named():
     with pytest.raises(ModelMismatch, match="block 1: the answers are off the LayerNorm's ellipsoid") as e:
         extract_encoder(ModelOracle(enc), layers=2, heads=2, ffn=8, rng=8, verify=32)
     assert e.value.check == "output-layernorm ellipsoid"
+
+
+def test_a_py_encoder_reads_its_layer_count_from_the_answers_or_from_layers(tmp_path, capsys):
+    """A ``py:`` encoder publishes no layer count: with every layer's hidden states it is ``--d-out / --d - 1``
+    (extracted, every part within 1e-9); with the last layer's only, ``--layers`` is asked for by name; a
+    ``--layers`` that contradicts a target's own count, or below 1, is refused before any query."""
+    f = tmp_path / "enc.py"
+    f.write_text("import numpy as np\n"
+                 "from headthief.models.bert_block import random_encoder\n"
+                 "E = random_encoder(8, 2, 8, 2, seed=11)\n"
+                 "L = E.with_hidden('last')\n"
+                 "def every(seqs):\n"
+                 "    return [E.forward(np.asarray(x)[None])[0] for x in seqs]\n"
+                 "def last(seqs):\n"
+                 "    return [L.forward(np.asarray(x)[None])[0] for x in seqs]\n")
+    code = main(["extract", "--target", f"py:{f}:every", "--d", "8", "--output", "all", "--d-out", "24",
+                 "--method", "encoder", "--heads", "2", "--ffn", "8", "--verify", "32", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert "fit_attempts_block_1" in row and "fit_attempts_block_2" not in row       # two blocks, read from 24 / 8
+    assert row["fidelity_max_rel_err"] <= 1e-9
+    code = main(["extract", "--target", f"py:{f}:last", "--d", "8", "--output", "all", "--method", "encoder",
+                 "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 2 and "--layers L" in row["error"] and row.get("queries_sent", 0) == 0
+    code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1", "--method", "encoder",
+                 "--layers", "3", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 2 and "contradicts" in row["error"] and row.get("queries_sent", 0) == 0
+    for bad in (["--method", "encoder", "--layers", "0"], ["--method", "block", "--layers", "2"]):
+        code = main(["extract", "--target", "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1", *bad, "--json"])
+        row = json.loads(capsys.readouterr().out)
+        assert code == 2 and "--layers" in row["error"], row

@@ -423,15 +423,32 @@ METHODS["block"] = Method(
     "start of least-squares refits to answers of random tokens and sequences (--heads H|auto, --ffn M)")
 
 
+def encoder_layers(info: dict, given: int | None, oracle, target) -> int:
+    """The encoder's block count: ``--layers``, else what the target publishes, else read from the answers'
+    size when they are every layer's hidden states (``d_out = (L + 1) d``, L >= 1). A ``--layers`` that
+    contradicts the target's own count is refused."""
+    spec = target.spec if target is not None else "the oracle"
+    published = info.get("layers") or info.get("n_layers")
+    if given is not None:
+        if published is not None and int(published) != int(given):
+            raise SpecError(f"--layers {given} contradicts {spec}, which has {published} layers")
+        return int(given)
+    if published is not None:
+        return int(published)
+    d, d_out = oracle.d, oracle.d_out
+    if d_out > d and d_out % d == 0:
+        return d_out // d - 1
+    raise SpecError(f"--method encoder needs the number of layers: give --layers L ({spec} does not publish it, "
+                    f"and its {d_out} numbers per position do not say it)")
+
+
 def _run_encoder(oracle, target, args, progress, clean=None):
     from .extraction.block.encoder import extract_encoder
     from .extraction.block.value_sum_image import dense_stage_v
     info = (target.info or {}) if target is not None else {}
     heads, ffn = _block_sizes(target, args)
     heads = heads or info.get("heads")
-    layers = info.get("layers") or info.get("n_layers")
-    if layers is None:
-        raise SpecError(f"--method encoder needs the number of layers ({target.spec} does not publish it)")
+    layers = encoder_layers(info, getattr(args, "layers", None), oracle, target)
     L, d = int(layers), oracle.d
     if oracle.d_out not in (d, (L + 1) * d):
         raise SpecError(f"--method encoder reads every layer's hidden states ((layers + 1) x d = {(L + 1) * d}) or "

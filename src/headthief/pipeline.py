@@ -82,6 +82,7 @@ class Options:
     scales: str = "adaptive"
     heads: str = "auto"
     ffn: int | None = None
+    layers: int | None = None         # encoder: the number of blocks, where the target does not publish it
     stage_f: str = "auto"
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
@@ -129,7 +130,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
-    "ffn": {"block", "encoder"}, "stage_f": {"block"}, "max_tflop": {"block"}, "refit_device": {"block"},
+    "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"}, "refit_device": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -268,6 +269,9 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--blas-threads must be >= 1, got {opts.blas_threads}")
     if opts.max_heads < 1:
         raise SpecError(f"--max-heads must be >= 1, got {opts.max_heads}")
+    for name in ("ffn", "layers"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            raise SpecError(f"--{name} must be >= 1, got {getattr(opts, name)}")
     if opts.max_len < 4:
         raise SpecError(f"--max-len must be >= 4 (--method rope reads two offsets at least), got {opts.max_len}")
     if opts.verify_len < 1:
@@ -614,7 +618,7 @@ def fingerprint(opts: Options) -> dict:
     fp = {"target": opts.target, "method": opts.method, "seed": opts.seed}
     for k in FINGERPRINT:
         fp[k] = getattr(opts, k)
-    for k in ("output", "d_out"):           # only when given: journals written before they existed still resume
+    for k in ("output", "d_out", "layers"):  # only when given: journals written before they existed still resume
         if getattr(opts, k) is not None:
             fp[k] = getattr(opts, k)
     if opts.stage_f != "auto":              # likewise
