@@ -181,3 +181,11 @@ def test_a_journal_replay_counts_the_method_queries_only(tmp_path):
     assert again.row["queries"] == 72
     assert again.row["queries_replayed"] == 72 and again.row["queries_fresh"] == 0
     assert np.array_equal(first.result.W, again.result.W)
+
+
+def test_an_oracle_failure_and_a_stalled_procedure_are_told_apart():
+    """Both are exit 4; the status says which: an answer of the wrong shape was reported "did not converge"."""
+    def wrong_shape(seqs):
+        return [np.zeros(3) for _ in seqs]
+    rep = ht.extract(ht.CallableOracle(wrong_shape, 8), method="exact", raise_errors=False)
+    assert rep.exit_code == 4 and rep.status == "the oracle failed" and "the oracle returned" in rep.error

@@ -570,7 +570,10 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             row = _failure_row(tgt, spec, opts.method, exc, oracle, opts.budget)
         if opts.journal and isinstance(exc, (BudgetExceeded, ModelMismatch, OracleError)):
             row["journal"] = opts.journal
-        rep = Report(row=row, result=partial, exit_code=code, status=EXIT_MEANING.get(code, f"exit {code}"),
+        status = EXIT_MEANING.get(code, f"exit {code}")
+        if code == EXIT_ORACLE and not isinstance(exc, ConvergenceError):
+            status = "the oracle failed"             # exit 4 covers both: a wrong-shaped answer did not "converge"
+        rep = Report(row=row, result=partial, exit_code=code, status=status,
                      error=str(exc), warnings=tuple(warnings), seconds=time.perf_counter() - t0, target=tgt,
                      exception=exc)
         if raise_errors:
