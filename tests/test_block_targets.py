@@ -93,6 +93,29 @@ def test_random_block_is_not_trivial():
     assert np.allclose(n.mean(-1), 0, atol=1e-12) and np.allclose(np.linalg.norm(n, axis=-1), np.sqrt(32), rtol=1e-10)
 
 
+def test_bert_init_block_has_bertmodels_scales():
+    """``init=bert``: weights N(0, 0.02^2), biases 0, LayerNorms 1 and 0 (BertModel's ``_init_weights``), so
+    attention is nearly uniform and the FFN's pre-activations stay within GELU's nearly linear middle."""
+    t = resolve("bert-block:d=32,heads=4,ffn=128,seed=3,init=bert")
+    block = t.truth
+    sd = block.state_dict()
+    for name, w in sd.items():
+        if name.endswith("LayerNorm.weight"):
+            assert np.all(w == 1.0), name
+        elif name.endswith("bias"):
+            assert np.all(w == 0.0), name
+        else:
+            assert abs(float(np.std(w)) - 0.02) < 0.002 and abs(float(np.mean(w))) < 0.002, name
+    X = np.random.default_rng(0).standard_normal((20, 8, 32))
+    s = block.trace(X)["s"]
+    assert float(s.std()) < 0.2
+    canon = block.attention.canonical()
+    A = np.stack([canon.attention(x) for x in X])
+    assert float(-(A * np.log(A)).sum(-1).mean() / np.log(8)) > 0.99
+    with pytest.raises(ValueError, match="init must be"):
+        random_block(8, 2, 8, init="xavier")
+
+
 def test_gelu_is_exact_erf_form():
     s = np.linspace(-6, 6, 101)
     from scipy.stats import norm
@@ -227,6 +250,7 @@ def test_bert_block_target_and_model_oracle_counts():
     ("bert-block:d=32,heads=4,ffn=8,output=last", "unknown option"),
     ("bert-block:d=32,heads=4,ffn=8,dtype=float16", "dtype"),
     ("bert-block:d=32,heads=4,ffn=8,act=tanh", "act="),
+    ("bert-block:d=32,heads=4,ffn=8,init=xavier", "init="),
     ("minilm-block:layer=-1", "blocks 0..5"),
     ("minilm-block:layer=6", "blocks 0..5"),
     ("minilm-block:layer=x", "not an integer"),

@@ -237,7 +237,7 @@ _NAMES = ("attention.self.query.weight", "attention.self.query.bias", "attention
 
 
 def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float64, output="all",
-                 activation: str = "gelu") -> BertBlock:
+                 activation: str = "gelu", init: str = "trained") -> BertBlock:
     """A seeded random block with the scales of a trained one, for tokens on a LayerNorm's image
     (entries O(1), norm ~sqrt(d)):
 
@@ -248,15 +248,31 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
       GELU's curved region |s| < 3), ``W_2 ~ N(0, 1/ffn)``, ``b_2 ~ N(0, 0.1^2)``;
     * LayerNorms: ``gamma ~ 1 + N(0, 0.1^2)``, ``beta ~ N(0, 0.05^2)``.
 
+    ``init="bert"``: instead, the layers of a transformers ``BertModel`` built from a config (its
+    ``_init_weights``, ``initializer_range`` 0.02): every weight ``N(0, 0.02^2)``, biases 0, LayerNorms
+    ``gamma = 1``, ``beta = 0``. Its attention is nearly uniform and its FFN nearly linear (pre-activations of
+    std ~0.02 sqrt(d)). (A ``BertLayer`` built alone keeps PyTorch's ``Linear`` init, ``U(+-1/sqrt(fan_in))``.)
+
     Drawn in float64 from ``default_rng(seed)`` and rounded once to ``dtype``."""
     d, heads, ffn = int(d), int(heads), int(ffn)
     if d < 1 or heads < 1 or ffn < 1:
         raise ValueError(f"need d, heads, ffn >= 1, got d={d}, heads={heads}, ffn={ffn}")
     if d % heads:
         raise ValueError(f"heads={heads} does not divide d={d}")
+    if init not in ("trained", "bert"):
+        raise ValueError(f"init must be 'trained' (a trained block's scales) or 'bert' (BertLayer's own init), "
+                         f"got {init!r}")
     dh = d // heads
     rng = np.random.default_rng(seed)
     g = lambda *s: rng.standard_normal(s)                                  # noqa: E731
+    if init == "bert":
+        w = lambda *s: 0.02 * g(*s)                                        # noqa: E731
+        z = np.zeros
+        att = AttentionLayer(Q=w(heads, dh, d), K=w(heads, dh, d), V=w(heads, dh, d), Wo=w(d, d),
+                             bq=z((heads, dh)), bk=z((heads, dh)), bv=z((heads, dh)), bo=z(d), output="all", dtype=dtype)
+        return BertBlock(attention=att, ln1_gamma=np.ones(d), ln1_beta=z(d), W1=w(ffn, d), b1=z(ffn), W2=w(d, ffn),
+                         b2=z(d), ln2_gamma=np.ones(d), ln2_beta=z(d), output=output, dtype=dtype, activation=activation,
+                         info={"seed": int(seed), "init": "bert"})
     att = AttentionLayer(Q=g(heads, dh, d) * np.sqrt(2.0 / d), K=g(heads, dh, d) * np.sqrt(2.0 / d),
                          V=g(heads, dh, d) / np.sqrt(d), Wo=g(d, d) / np.sqrt(d),
                          bq=0.5 * g(heads, dh), bk=0.5 * g(heads, dh), bv=0.5 * g(heads, dh), bo=0.1 * g(d),

@@ -1,11 +1,13 @@
 """Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
 
-* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]`` — a seeded random
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image][,init=bert]`` — a seeded random
   post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
   ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check);
   ``inputs=image``: the block as it sits inside an encoder, answering only tokens on a previous LayerNorm's
   image (gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2) drawn from the seed; any other token is refused) and
-  publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them.
+  publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them; ``init=bert``:
+  a layer of transformers' ``BertModel`` as built from a config (weights ``N(0, 0.02^2)``, biases 0,
+  LayerNorms 1 and 0: a nearly linear FFN).
 * ``minilm-block:layer=L`` — block L (0..5, numbered as ``minilm-layer:``) of all-MiniLM-L6-v2, numpy,
   float32 as the real model; block L maps ``hidden_states[L]`` to ``hidden_states[L+1]`` (checkpoint
   ``encoder.layer.{L}``).
@@ -44,7 +46,7 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
 
     from ..models.bert_block import random_block
     from ..oracles.base import ModelOracle
-    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs"})
+    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs", "init"})
     d = _int(opts, "d", lo=1)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -62,8 +64,14 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
         raise SpecError(f"inputs={inputs!r}: use free (any token, the default) or image (a previous LayerNorm's image)")
     if inputs == "image" and d < 4:
         raise SpecError(f"{spec}: inputs=image needs d >= 4 (the image is a (d - 2)-sphere)")
+    init = opts.get("init", "trained")
+    if init not in ("trained", "bert"):
+        raise SpecError(f"init={init!r}: use trained (a trained block's scales, the default) or bert (a layer of "
+                        "transformers' BertModel as built from a config: weights N(0, 0.02^2), biases 0, LayerNorms 1 "
+                        "and 0)")
     check_size(spec, 4 * d * d + 2 * d * M)
-    block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act)
+    block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act,
+                         init=init)
     truth = block.astype(np.float64)
     if inputs == "image":
         from ..extraction.block.image import ImageGuard, random_image
@@ -74,7 +82,8 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
                                        input_image={"gamma": image.gamma.tolist(), "beta": image.beta.tolist()}))
     return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
                   make_oracle=lambda **kw: ModelOracle(block, **kw),
-                  info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy"))
+                  info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy",
+                                   **({"init": "bert"} if init == "bert" else {})))
 
 
 def _block_layer(kind: str, opts: dict[str, str]) -> int:
@@ -217,11 +226,12 @@ def hf_bert_layer(block, *, dtype=None):
     return module
 
 
-register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]",
+register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]"
+                                  "[,init=bert]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
                     "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
                     "BERT has GELU; inputs=image: only tokens on a previous LayerNorm's image, as inside an "
-                    "encoder)", _build_bert_block))
+                    "encoder; init=bert: BertModel's own init, weights N(0, 0.02^2), biases 0)", _build_bert_block))
 def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 

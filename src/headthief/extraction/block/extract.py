@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import SpecError
+from ...errors import ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck, answer_kind
@@ -261,6 +261,9 @@ def _ln_sequences(d: int) -> int:
     return -(-(2 * d + 8) // 16)
 
 
+RESCUE = 100      # exact answers: a stage-F map within this factor of its check is refitted (F+) and checked again
+
+
 def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> np.ndarray:
     X = rng.standard_normal((_ln_sequences(oracle.d), 16, oracle.d))
     X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
@@ -411,7 +414,21 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
                                                           progress=fit_progress("F+ one-token refit"))
             if "fplus" in st:
                 refit["resumed_from_evaluation"] = st["fplus_calls"]
-        one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
+        try:
+            one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
+        except ModelMismatch as e:
+            if coarse or e.figure > RESCUE * e.threshold:
+                raise
+            # exact answers, the algebra's map just outside its check: an almost linear FFN (transformers'
+            # default init, weights N(0, 0.02^2)) leaves the neurons' GELU' profiles over a narrow range, and
+            # their 1-D fits poorly conditioned (measured: BertLayer d = 32, FFN 128, 7.3e-10 against 5.7e-10).
+            # The one-token refit float32 answers always get, then the same check: a wrong model class fits no
+            # better and is refused by it
+            describe("F+ one-token refit (stage F's map missed its check)")
+            part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale, device=device,
+                                                          progress=fit_progress("F+ one-token refit"))
+            refit["after_check"] = float(e.figure)
+            one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
         mark("F", q0)
         st = {k: v for k, v in st.items() if k not in ("span", "fplus", "fplus_calls", "f_start")}
         st = {**st, "ln": ln, "vs": vs, "part": part, "refit": refit, "ones": ones, "one": one}
@@ -464,7 +481,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
             "resumed_from": done, "queries_restored": ck.offset, "refit_device": device,
             **{(k if k.startswith("block_") else f"one_token_{k}"): v for k, v in refit.items()},
             "fitted": ("FFN span (iterated), neuron profiles (1-D fits), heads (alternating least squares); "
-                       "the rest exact algebra" if not coarse else
+                       + ("LN1, the FFN and LN2 then refitted to one-token answers (stage F's map missed its check)"
+                          if refit else "the rest exact algebra") if not coarse else
                        "every part: the stages' algebra (span, profiles and heads iterated or fitted) is the start "
                        "of two least-squares refits to the answers (one-token map, then the whole block)"),
             **cost(oracle, before)}
