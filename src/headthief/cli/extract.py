@@ -49,8 +49,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--ffn", type=int, default=None, metavar="M",
                    help="block: the FFN's width (default: what the target publishes, e.g. bert-block:ffn=M)")
     e.add_argument("--layers", type=int, default=None, metavar="L",
-                   help="encoder: the number of blocks (default: what the target publishes, e.g. bert-encoder:layers=L; "
-                        "for a py: encoder answering every layer's hidden states, --d-out / --d - 1)")
+                   help="encoder: the number of blocks (default: what the target publishes, e.g. "
+                        "bert-encoder:layers=L; for a py: encoder answering every layer's hidden states, "
+                        "--d-out / --d - 1)")
     e.add_argument("--stage-f", dest="stage_f", default="auto", choices=("auto", "full", "probes"),
                    help="block: stage F from full tangent Jacobians or from probe Jacobians (a quarter of the "
                         "queries or fewer from d = 64 at ffn = 4 d); auto (default) takes probes where they save that")

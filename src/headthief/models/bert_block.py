@@ -260,7 +260,7 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
     if d % heads:
         raise ValueError(f"heads={heads} does not divide d={d}")
     if init not in ("trained", "bert"):
-        raise ValueError(f"init must be 'trained' (a trained block's scales) or 'bert' (BertLayer's own init), "
+        raise ValueError(f"init must be 'trained' (a trained block's scales) or 'bert' (BertModel's own init), "
                          f"got {init!r}")
     dh = d // heads
     rng = np.random.default_rng(seed)
@@ -269,10 +269,11 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
         w = lambda *s: 0.02 * g(*s)                                        # noqa: E731
         z = np.zeros
         att = AttentionLayer(Q=w(heads, dh, d), K=w(heads, dh, d), V=w(heads, dh, d), Wo=w(d, d),
-                             bq=z((heads, dh)), bk=z((heads, dh)), bv=z((heads, dh)), bo=z(d), output="all", dtype=dtype)
-        return BertBlock(attention=att, ln1_gamma=np.ones(d), ln1_beta=z(d), W1=w(ffn, d), b1=z(ffn), W2=w(d, ffn),
-                         b2=z(d), ln2_gamma=np.ones(d), ln2_beta=z(d), output=output, dtype=dtype, activation=activation,
-                         info={"seed": int(seed), "init": "bert"})
+                             bq=z((heads, dh)), bk=z((heads, dh)), bv=z((heads, dh)), bo=z(d), output="all",
+                             dtype=dtype)
+        return BertBlock(attention=att, ln1_gamma=np.ones(d), ln1_beta=z(d), W1=w(ffn, d), b1=z(ffn),
+                         W2=w(d, ffn), b2=z(d), ln2_gamma=np.ones(d), ln2_beta=z(d), output=output, dtype=dtype,
+                         activation=activation, info={"seed": int(seed), "init": "bert"})
     att = AttentionLayer(Q=g(heads, dh, d) * np.sqrt(2.0 / d), K=g(heads, dh, d) * np.sqrt(2.0 / d),
                          V=g(heads, dh, d) / np.sqrt(d), Wo=g(d, d) / np.sqrt(d),
                          bq=0.5 * g(heads, dh), bk=0.5 * g(heads, dh), bv=0.5 * g(heads, dh), bo=0.1 * g(d),

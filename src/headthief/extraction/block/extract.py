@@ -419,9 +419,9 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
         except ModelMismatch as e:
             if coarse or e.figure > RESCUE * e.threshold:
                 raise
-            # exact answers, the algebra's map just outside its check: an almost linear FFN (transformers'
-            # default init, weights N(0, 0.02^2)) leaves the neurons' GELU' profiles over a narrow range, and
-            # their 1-D fits poorly conditioned (measured: BertLayer d = 32, FFN 128, 7.3e-10 against 5.7e-10).
+            # exact answers, the algebra's map just outside its check: neurons whose pre-activations span a
+            # narrow range leave their GELU' profiles' 1-D fits poorly conditioned (measured: transformers'
+            # BertLayer with PyTorch's init, d = 32, FFN 128: 7.3e-10 against 5.7e-10; d = 16, FFN 64: 1.1e-9).
             # The one-token refit float32 answers always get, then the same check: a wrong model class fits no
             # better and is refused by it
             describe("F+ one-token refit (stage F's map missed its check)")
