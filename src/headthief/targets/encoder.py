@@ -73,17 +73,18 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
     block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act,
                          init=init)
     truth = block.astype(np.float64)
+    published = {"init": "bert"} if init == "bert" else {}      # on both routes (it was on the free one only)
     if inputs == "image":
         from ..extraction.block.image import ImageGuard, random_image
         image = random_image(d, seed)
         return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
                       make_oracle=lambda **kw: ImageGuard(ModelOracle(block, **kw), image),
                       info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy", inputs="image",
-                                       input_image={"gamma": image.gamma.tolist(), "beta": image.beta.tolist()}))
+                                       input_image={"gamma": image.gamma.tolist(), "beta": image.beta.tolist()},
+                                       **published))
     return Target(spec=spec, d=d, bias=True, truth=truth, output="all", d_out=d,
                   make_oracle=lambda **kw: ModelOracle(block, **kw),
-                  info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy",
-                                   **({"init": "bert"} if init == "bert" else {})))
+                  info=_block_info(block, seed=seed, dtype=dtype, black_box="numpy", **published))
 
 
 def _block_layer(kind: str, opts: dict[str, str]) -> int:
