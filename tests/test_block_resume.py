@@ -36,8 +36,9 @@ def test_a_run_stopped_by_its_budget_resumes_after_its_last_stage(tmp_path, unin
     assert rep.ok and r["resumed_from"] == "V"
     assert r["queries_restored"] == full["queries_stage_L"] + full["queries_stage_activation"] + full["queries_stage_V"]
     assert r["queries"] == full["queries"]                           # the same run, counted whole
-    # stages F, A, R and the model check asked afresh: the budget refused stage F's first batch whole
-    assert r["journal_replayed"] == 0 and r["journal_sent"] == full["queries"] - r["queries_restored"] + 64
+    # stages F, A, R and the model check (64 fresh sequences, 72 on the noise's segments) asked afresh: the
+    # budget refused stage F's first batch whole
+    assert r["journal_replayed"] == 0 and r["journal_sent"] == full["queries"] - r["queries_restored"] + 64 + 72
     for name in ("W1", "W2", "ln2_gamma", "ln1_gamma"):              # the uninterrupted run's result, bit for bit
         assert np.array_equal(getattr(rep.result.block, name), getattr(uninterrupted.result.block, name))
     again = ht.extract(SPEC, "block", verify=64, journal=journal)    # a finished run's journal: nothing recomputed
@@ -165,7 +166,8 @@ def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
     bar = _Bar()
     oracle = ModelOracle(random_block(12, 2, 12, seed=41, dtype=np.float32))
     res = extract.extract_block(oracle, heads=2, ffn=12, rng=41, verify=16, progress=bar)
-    assert bar.count == res.queries == oracle.queries - 16
+    assert bar.count == res.queries == oracle.queries - 16 - 72     # every query but the model check's
+    assert res.check.verify_queries == 16 + 72                     # (float32: 72 on the noise's segments)
     stages = [t for t in bar.texts if "evaluation" not in t]
     assert [t.split(" (")[0] for t in stages] == ["stage F", "F+ one-token refit", "stage A", "R block refit"]
     assert any(t.startswith("R block refit, evaluation 50, rms ") for t in bar.texts)

@@ -327,11 +327,13 @@ def verdict(res, oracle: Oracle, *, model: str, n: int = 256, rng: np.random.Gen
     return mc
 
 
-def fresh_verdict(res, oracle: Oracle, *, model: str, n: int, seed, judge: Callable, **verify_kw) -> ModelCheck:
+def fresh_verdict(res, oracle: Oracle, *, model: str, n: int, seed, judge: Callable, noise: float | None = None,
+                  noise_queries: int = 0, **verify_kw) -> ModelCheck:
     """The model check of the vector-answer methods (vector, block, rope): ``res.verify`` on ``n`` fresh
     sequences, then ``judge(fidelity) -> (ok, threshold, detail, message)``; a failure raises
     :class:`ModelMismatch` (``message``) carrying the check as ``.model_check`` and the result as ``.result``.
-    No sequences asked, or a budget spent first, is an ``unchecked`` verdict."""
+    No sequences asked, or a budget spent first, is an ``unchecked`` verdict. ``noise``: the answers' noise
+    the judge measured (absolute), kept in the record with the ``noise_queries`` it cost."""
     kind = oracle.output.describe(oracle.d_out)
     if n <= 0:
         return ModelCheck("unchecked", model, kind, detail="no fresh sequences asked (verify n = 0)")
@@ -340,7 +342,8 @@ def fresh_verdict(res, oracle: Oracle, *, model: str, n: int, seed, judge: Calla
     except BudgetExceeded as e:
         return ModelCheck("unchecked", model, kind, detail=f"the query budget ran out before the check ({e})")
     ok, threshold, detail, message = judge(f)
-    mc = ModelCheck("pass" if ok else "fail", model, kind, (), 0, f.max_rel_err, threshold, f.queries, detail=detail)
+    mc = ModelCheck("pass" if ok else "fail", model, kind, (), 0, f.max_rel_err, threshold,
+                    f.queries + noise_queries, detail=detail, noise=noise)
     if not ok:
         err = ModelMismatch(message, check="fidelity", figure=f.max_rel_err, threshold=threshold)
         err.model_check = mc

@@ -198,9 +198,19 @@ def noise_sequences(d: int, n: int, rng: np.random.Generator, *, input_norm: flo
                 random_sequences(d, n_rand + k, rng=rng, input_norm=input_norm)]
         bases = seqs[n_rand:]
         seqs = seqs[:n_rand]
+    seqs += noise_segments(bases, rng, input_norm=input_norm)
+    return seqs, k
+
+
+def noise_segments(bases, rng: np.random.Generator, *, input_norm: float | None = None) -> list[np.ndarray]:
+    """``NOISE_POINTS`` sequences per base sequence (k, L, d): its last token moved along a random unit
+    direction, ``x_N + t h u`` with ``t`` in [-1, 1] and ``h = NOISE_STEP |x_N|`` (kept inside
+    ``input_norm``). :func:`answer_noise` / :func:`vector_answer_noise` read the noise from their answers."""
+    out = []
     ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
     for X in bases:
         X = np.array(X, dtype=np.float64)
+        d = X.shape[-1]
         x = X[-1]
         nx = float(np.linalg.norm(x))
         if input_norm is not None and nx > 0:
@@ -212,8 +222,8 @@ def noise_sequences(d: int, n: int, rng: np.random.Generator, *, input_norm: flo
         for t in ts:
             Y = X.copy()
             Y[-1] = x + t * h * u
-            seqs.append(Y)
-    return seqs, k
+            out.append(Y)
+    return out
 
 
 def answer_noise(y_segments: np.ndarray) -> float | None:
@@ -229,6 +239,28 @@ def answer_noise(y_segments: np.ndarray) -> float | None:
     r = Y - Y @ P.T
     s = np.sqrt(np.sum(r ** 2, axis=1) / (NOISE_POINTS - 3))
     return float(np.median(s))
+
+
+def vector_answer_noise(answers) -> float | None:
+    """:func:`answer_noise` for vector answers (a hidden-state API): ``answers`` holds the answers to
+    :func:`noise_segments`' sequences in order (each an array, (L, d_out) or (d_out,)); per segment the RMS
+    residual of a quadratic fit in t over every answered number, then the median over segments. None
+    without segments. Measured ``sigma / rms`` (float32 rounding ``u = 2^-24``): 1.7 - 2.9 u on random
+    float32 blocks (d = 8 - 32) and transformers' float32 ``BertLayer`` (d = 16); 7.2 u on MiniLM's block
+    2, as numpy and as ``BertLayer`` (d = 384, FFN 1536); float64 blocks 1.5e-13 (the quadratic's cubic
+    term, not rounding)."""
+    A = [np.asarray(a, dtype=np.float64).ravel() for a in answers]
+    if not A:
+        return None
+    ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
+    V = np.vander(ts, 3)
+    P = V @ np.linalg.pinv(V)
+    s = []
+    for i in range(0, len(A) - NOISE_POINTS + 1, NOISE_POINTS):
+        Y = np.stack(A[i:i + NOISE_POINTS])
+        r = Y - P @ Y
+        s.append(np.sqrt(np.sum(r ** 2) / (r.shape[1] * (NOISE_POINTS - 3))))
+    return float(np.median(s)) if s else None
 
 
 def fidelity_threshold(kind: AnswerKind, d: int, rms: float, *, resolution: float = 0.0,

@@ -1,8 +1,10 @@
 """Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
 
-* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image][,init=bert]`` — a seeded random
-  post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless ``dtype=float32``;
-  ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check);
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu|gelu_tanh][,inputs=image][,init=bert]``
+  — a seeded random post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless
+  ``dtype=float32``;
+  ``act=relu`` puts ReLU where BERT has GELU, ``act=gelu_tanh`` GELU's tanh approximation (GPT-2's,
+  transformers' ``gelu_new``): wrong blocks, for testing a method's model check;
   ``inputs=image``: the block as it sits inside an encoder, answering only tokens on a previous LayerNorm's
   image (gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2) drawn from the seed; any other token is refused) and
   publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them; ``init=bert``:
@@ -55,8 +57,9 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
     act = opts.get("act", "gelu")
-    if act not in ("gelu", "relu"):
-        raise SpecError(f"act={act!r}: use gelu (BERT's, the default) or relu (a block that is not BERT's)")
+    if act not in ("gelu", "relu", "gelu_tanh"):
+        raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or relu or gelu_tanh (blocks that are not "
+                        "BERT's)")
     if d % H:
         raise SpecError(f"{spec}: heads={H} does not divide d={d} (BERT's head dimension is d / heads)")
     inputs = opts.get("inputs", "free")
@@ -227,12 +230,12 @@ def hf_bert_layer(block, *, dtype=None):
     return module
 
 
-register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu][,inputs=image]"
-                                  "[,init=bert]",
+register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu|gelu_tanh]"
+                                  "[,inputs=image][,init=bert]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
-                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where "
-                    "BERT has GELU; inputs=image: only tokens on a previous LayerNorm's image, as inside an "
-                    "encoder; init=bert: BertModel's own init, weights N(0, 0.02^2), biases 0)", _build_bert_block))
+                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu / gelu_tanh: "
+                    "ReLU / GELU's tanh approximation where BERT has exact GELU; inputs=image: only tokens on a "
+                    "previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, weights N(0, 0.02^2), biases 0)", _build_bert_block))
 def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 
