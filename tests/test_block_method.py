@@ -344,8 +344,25 @@ def test_stage_f_with_the_wrong_width_is_refused():
     from headthief.extraction.block import extract_ffn
     block = random_block(12, 2, 24, seed=63)
     oracle, ln, vs = _stages_lv(block, 63)
-    with pytest.raises((NotIdentifiable, ConvergenceError)):
+    with pytest.raises((NotIdentifiable, ConvergenceError)) as e:
         extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=20)
+    assert "almost linearly" not in str(e.value)          # a trained block's FFN is far from linear
+
+
+def test_stage_f_names_a_nearly_linear_ffn():
+    """BertModel's own init (weights N(0, 0.02^2), biases 0): GELU acts almost linearly on LN1's sphere, the
+    neurons beyond d show only through its cubic term, and stage F's failure says so (NotIdentifiable, exit
+    2) instead of "the span did not settle" or "found 1 of 16 neurons"."""
+    from headthief.errors import ConvergenceError
+    from headthief.extraction.block import extract_ffn
+    from headthief.extraction.block.ffn import LINEAR
+    block = random_block(8, 2, 16, seed=14000, init="bert")
+    oracle, ln, vs = _stages_lv(block, 14000)
+    with pytest.raises((NotIdentifiable, ConvergenceError)) as e:
+        extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=16)
+    assert isinstance(e.value, NotIdentifiable) and "almost linearly" in str(e.value)
+    outside = float(str(e.value).split("leaves ")[1].split(" of the")[0])
+    assert 0 < outside < LINEAR
 
 
 def test_stage_f_from_probes_with_the_wrong_width_is_refused():

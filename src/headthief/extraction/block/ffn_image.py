@@ -25,7 +25,7 @@ import dataclasses
 
 from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
-from .ffn import CHECK_FACTOR, FFNPart, extract_ffn
+from .ffn import CHECK_FACTOR, FFNPart, NearlyLinearFFN, extract_ffn
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, stencil_derivative
 from .value_sum_image import ImageValueSum
@@ -128,6 +128,8 @@ def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Gen
         try:
             part = extract_ffn(oracle, ln, None, rng, ffn=ffn, reader=reader, start=start, precision=precision,
                                points=points)
+        except NearlyLinearFFN:                 # a property of the block: fresh points do not help
+            raise
         except (ConvergenceError, NotIdentifiable) as e:
             last = e
             continue
