@@ -235,7 +235,8 @@ register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
                     "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu / gelu_tanh: "
                     "ReLU / GELU's tanh approximation where BERT has exact GELU; inputs=image: only tokens on a "
-                    "previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, weights N(0, 0.02^2), biases 0)", _build_bert_block))
+                    "previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, weights "
+                    "N(0, 0.02^2), biases 0)", _build_bert_block))
 def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 
