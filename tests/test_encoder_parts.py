@@ -140,3 +140,23 @@ def test_a_position_effect_inside_the_blocks_fails_the_check(leak):
     with pytest.raises(ModelMismatch, match="not those of position-free blocks") as e:
         run()
     assert e.value.figure > 10 * e.value.threshold
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_last_layernorm_with_another_eps_is_a_mismatch_naming_it(dtype):
+    """hidden=last reads the last LayerNorm only; one with RoBERTa's eps 1e-5 instead of BERT's 1e-12 puts the
+    answers off its ellipsoid (about eps / var): ModelMismatch naming eps, as on every block route, before
+    stage E's queries (it was read, and reported only as ``ln_out_sphere_residual``)."""
+    import dataclasses
+
+    from headthief.errors import ModelMismatch
+    from headthief.extraction.block.encoder_parts import extract_encoder_parts
+    from headthief.models.bert_block import random_encoder
+    from headthief.oracles.base import ModelOracle
+    enc = random_encoder(8, 2, 8, 1, seed=3, hidden="last", dtype=dtype)
+    enc = dataclasses.replace(enc, blocks=(dataclasses.replace(enc.blocks[-1], eps=1e-5),))
+    oracle = ModelOracle(enc)
+    with pytest.raises(ModelMismatch, match="eps") as e:
+        extract_encoder_parts(oracle, layers=1, hidden="last", rng=0, length=4, verify=4)
+    assert "layer 1's output" in str(e.value) and e.value.check == "output-layernorm ellipsoid"
+    assert oracle.queries == -(-4 * (8 + 2) // 4)           # stage L's sequences only

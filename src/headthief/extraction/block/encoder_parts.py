@@ -51,7 +51,7 @@ from ...models.bert_block import BERT_EPS
 from ...oracles.base import Oracle
 from .embeddings import Embeddings, embedding_stage
 from .extract import CHECK_FACTOR
-from .layernorm import OutputLayerNorm, constant_coordinates, fit_output_layernorm
+from .layernorm import OutputLayerNorm, check_on_ellipsoid, constant_coordinates, fit_output_layernorm
 from .on_image import answer_precision
 from .smoothness import THRESHOLD as SMOOTH
 from .smoothness import check_smooth_activation
@@ -309,6 +309,9 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     seen = tuple(range(1, L + 1)) if hidden == "all" else (L,)
     slices = [Y[:, j * d:(j + 1) * d] for j in seen] if hidden == "all" else [Y]
     lns = tuple(read_output_layernorm(S) for S in slices)
+    for j, r in zip(seen, lns):                 # as every block route checks its LayerNorms (a larger eps is another
+        if r.ln is not None:                    # model: exit 5, naming it, not an exit 2 about what is unread)
+            check_on_ellipsoid(r.ln, eps, where=f"layer {j}'s output: ")
     if progress is not None:
         progress(0)
     emb: Embeddings | None = None
