@@ -349,17 +349,19 @@ def test_stage_f_with_the_wrong_width_is_refused():
     assert "almost linearly" not in str(e.value)          # a trained block's FFN is far from linear
 
 
-def test_stage_f_names_a_nearly_linear_ffn():
+@pytest.mark.parametrize("route", ["full", "probes"])
+def test_stage_f_names_a_nearly_linear_ffn(route):
     """BertModel's own init (weights N(0, 0.02^2), biases 0): GELU acts almost linearly on LN1's sphere, the
     neurons beyond d show only through its cubic term, and stage F's failure says so (NotIdentifiable, exit
     2) instead of "the span did not settle" or "found 1 of 16 neurons"."""
     from headthief.errors import ConvergenceError
-    from headthief.extraction.block import extract_ffn
+    from headthief.extraction.block import extract_ffn, extract_ffn_probes
     from headthief.extraction.block.ffn import LINEAR
-    block = random_block(8, 2, 16, seed=14000, init="bert")
+    d, ffn = (8, 16) if route == "full" else (12, 24)         # the probe route: its points lie off the probes
+    block = random_block(d, 2, ffn, seed=14000, init="bert")
     oracle, ln, vs = _stages_lv(block, 14000)
     with pytest.raises((NotIdentifiable, ConvergenceError)) as e:
-        extract_ffn(oracle, ln, vs, np.random.default_rng(1), ffn=16)
+        (extract_ffn if route == "full" else extract_ffn_probes)(oracle, ln, vs, np.random.default_rng(1), ffn=ffn)
     assert isinstance(e.value, NotIdentifiable) and "almost linearly" in str(e.value)
     outside = float(str(e.value).split("leaves ")[1].split(" of the")[0])
     assert 0 < outside < LINEAR

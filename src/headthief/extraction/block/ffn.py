@@ -583,26 +583,9 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
                     else reader(rng, T))
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
-    asked = []
-
-    def linear(error):                  # nearly_linear, asked at most once (its span costs a rank-d fit)
-        if not asked:
-            asked.append(nearly_linear(J, ms, ns, ffn, error, tol=span_tol, max_iter=max_iter))
-        return asked[0] if isinstance(asked[0], NearlyLinearFFN) else error
-
-    def stalled():                      # before the polish: at d = 32 that is most of an hour to refuse
-        e = linear(ConvergenceError("the Jacobian span's alternating projections stalled"))
-        if isinstance(e, NearlyLinearFFN):
-            raise e
-
-    try:
-        Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=span_tol, progress=progress,
-                                        best_on_stall=coarse or start, rng=rng, on_stall=stalled)
-        pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse)
-    except NearlyLinearFFN:
-        raise
-    except (ConvergenceError, NotIdentifiable) as e:
-        raise linear(e) from e
+    Q, lifted, iters, change, pairs, starts = span_and_neurons(J, ms, ns, ffn, rng, tol=span_tol, rank_tol=rank_tol,
+                                                               coarse=coarse, best_on_stall=coarse or start,
+                                                               max_iter=max_iter, progress=progress)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
     coef = coefficients(lifted, gam, pairs)
     info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
@@ -621,7 +604,7 @@ LINEAR = 1e-3          # nearly_linear: a quadratic FFN's span leaves less than 
 
 
 def nearly_linear(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, ffn: int, error: Exception, *, tol: float,
-                  max_iter: int) -> Exception:
+                  max_iter: int, probes: np.ndarray | None = None) -> Exception:
     """Why stage F's span or neuron search failed, where it can say: ``error`` itself, or a
     :class:`NearlyLinearFFN` (:class:`NotIdentifiable`) naming an FFN that acts almost linearly on LN1's sphere.
 
@@ -632,21 +615,54 @@ def nearly_linear(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, ffn: int, error
     the cubic term, ``~s^2`` below the linear one. The span at rank d is fitted (as :func:`span` does, its
     best iterate where it does not settle); where the lifted Jacobians (unit rows) keep an rms below
     ``LINEAR`` outside it, the neurons beyond d are that far below everything else the Jacobians hold: a
-    measured property of the answers. A block with ``ffn + 1 <= d`` (its span is no larger) keeps ``error``."""
-    T, d, _ = J.shape
-    if ffn + 1 <= d:
+    measured property of the answers. The span's rank is 1 + the points' own dimension (d on the full route;
+    ``d - p`` on the probe route, whose points lie off the ``probes`` V, where ``J`` is ``K(m) V``). A block
+    with ``ffn + 1`` no larger keeps ``error``."""
+    T, d = J.shape[:2]
+    rank = 1 + int(np.linalg.matrix_rank(ms - ms.mean(axis=1, keepdims=True), tol=1e-8))
+    if ffn + 1 <= rank:
         return error
-    _, L, _, _ = span(J, ms, ns, d, max_iter=max_iter, tol=tol, best_on_stall=True, restarts=0)
+    _, L, _, _ = span(J, ms, ns, rank, max_iter=max_iter, tol=tol, best_on_stall=True, restarts=0, probes=probes)
     s = np.linalg.svd(L, compute_uv=False)
-    outside = float(np.sqrt(np.sum(s[d:] ** 2) / T))
+    outside = float(np.sqrt(np.sum(s[rank:] ** 2) / T))
     if not outside < LINEAR:
         return error
     return NearlyLinearFFN(
-        f"the FFN acts almost linearly on LN1's sphere: a quadratic FFN's {d}-dimensional Jacobian span (GELU's "
+        f"the FFN acts almost linearly on LN1's sphere: a quadratic FFN's {rank}-dimensional Jacobian span (GELU's "
         f"first two terms) leaves {outside:.2g} of the Jacobians outside it (below {LINEAR:g}; a trained block's "
-        f"leave ~0.06), so the other {ffn + 1 - d} direction{'s' if ffn > d else ''} of the {ffn} neurons' span "
-        "show only through GELU's higher terms and are not separated (pre-activations near 0, as in BertModel's own "
+        f"leave ~0.06), so the other {ffn + 1 - rank} direction{'s' if ffn > rank else ''} of the {ffn} neurons' "
+        "span show only through GELU's higher terms and are not separated (pre-activations near 0, as in BertModel's own "
         f"initialisation, weights N(0, 0.02^2)). Stage F stopped: {error}")
+
+
+def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: float, rank_tol: float, coarse: bool,
+                     best_on_stall: bool, max_iter: int, progress=None, probes: np.ndarray | None = None):
+    """:func:`span` at rank ffn + 1, then :func:`neurons` (``cols``: the probes' count on the probe route):
+    ``(Q, lifted, iterations, change, pairs, starts)``. A failure of either is asked :func:`nearly_linear`
+    (once; already when Anderson stalls, before the polish: at d = 32 that polish is most of an hour), and a
+    nearly linear FFN is raised as such."""
+    asked = []
+
+    def linear(error):
+        if not asked:
+            asked.append(nearly_linear(J, ms, ns, ffn, error, tol=tol, max_iter=max_iter, probes=probes))
+        return asked[0] if isinstance(asked[0], NearlyLinearFFN) else error
+
+    def stalled():
+        e = linear(ConvergenceError("the Jacobian span's alternating projections stalled"))
+        if isinstance(e, NearlyLinearFFN):
+            raise e
+
+    d = J.shape[1]
+    try:
+        Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=tol, progress=progress,
+                                        best_on_stall=best_on_stall, rng=rng, probes=probes, on_stall=stalled)
+        pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=None if probes is None else probes.shape[1])
+    except NearlyLinearFFN:
+        raise
+    except (ConvergenceError, NotIdentifiable) as e:
+        raise linear(e) from e
+    return Q, lifted, iters, change, pairs, starts
 
 
 def coefficients(lifted: np.ndarray, gam: np.ndarray, pairs, probes: np.ndarray | None = None) -> np.ndarray:

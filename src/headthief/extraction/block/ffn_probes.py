@@ -43,7 +43,7 @@ import numpy as np
 
 from ...errors import NotIdentifiable, SpecError
 from ...oracles.base import Oracle
-from .ffn import (FFNPart, _sphere, assemble_part, coefficients, gamma_direction, lift_against, neurons, span,
+from .ffn import (FFNPart, _sphere, assemble_part, coefficients, gamma_direction, lift_against, span_and_neurons,
                   tokens_for, tolerances)
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, ValueSum, stencil_derivative, stencil_tokens
@@ -151,11 +151,12 @@ def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Genera
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
     first = S if narrow else 0                    # narrow: the span from the orthogonal points, the inside ones lifted
-    Q, lifted, iters, change = span(D[first:], ms[first:], ns[first:], ffn + 1, max_iter=max_iter, tol=span_tol,
-                                    progress=progress, best_on_stall=coarse, probes=V, rng=rng)
+    Q, lifted, iters, change, pairs, starts = span_and_neurons(D[first:], ms[first:], ns[first:], ffn, rng,
+                                                               tol=span_tol, rank_tol=rank_tol, coarse=coarse,
+                                                               best_on_stall=coarse, max_iter=max_iter,
+                                                               progress=progress, probes=V)
     if narrow:
         lifted = np.concatenate([lift_against(D[:S], ms[:S], ns[:S], Q, V), lifted])
-    pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=p)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3, probes=V)
     coef = coefficients(lifted, gam, pairs, probes=V)
     U = np.stack([u for u, _ in pairs], axis=1)                               # (d, ffn)
