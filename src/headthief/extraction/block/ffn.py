@@ -631,8 +631,8 @@ def nearly_linear(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, ffn: int, error
         f"the FFN acts almost linearly on LN1's sphere: a quadratic FFN's {rank}-dimensional Jacobian span (GELU's "
         f"first two terms) leaves {outside:.2g} of the Jacobians outside it (below {LINEAR:g}; a trained block's "
         f"leave ~0.06), so the other {ffn + 1 - rank} direction{'s' if ffn > rank else ''} of the {ffn} neurons' "
-        "span show only through GELU's higher terms and are not separated (pre-activations near 0, as in BertModel's own "
-        f"initialisation, weights N(0, 0.02^2)). Stage F stopped: {error}")
+        "span show only through GELU's higher terms and are not separated (pre-activations near 0, as in "
+        f"BertModel's own initialisation, weights N(0, 0.02^2)). Stage F stopped: {error}")
 
 
 def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: float, rank_tol: float, coarse: bool,
