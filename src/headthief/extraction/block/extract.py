@@ -41,7 +41,7 @@ import numpy as np
 from ...errors import BudgetExceeded, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
-from ..precision import NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, vector_answer_noise
+from ..precision import NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, vector_answer_noise
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
@@ -295,8 +295,8 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
     """The planned query count (answers at every position) for the progress bar: stage L, the activation
     check, stage V (3 base tokens; for float32 6, the step's ladder and c0's Newton, each at its most), stage
     F with its one-token check, stage A, the model check; for float32 answers the one-token refit's random
-    tokens and the block refit's sequences, and no Jacobian stencils in stage A (it pulls back through the
-    refitted model)."""
+    tokens, the block refit's sequences and the model check's noise segments, and no Jacobian stencils in
+    stage A (it pulls back through the refitted model)."""
     from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
     from .value_sum import BASES, COARSE_BASES, LADDER, NEWTON, PILOT_DIRECTIONS, SCALES
@@ -307,7 +307,7 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
     if not float32:
         return base + stage_a_queries(d)
     return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
-            + sum(refit_counts(d, ffn)))
+            + sum(refit_counts(d, ffn)) + NOISE_SEGMENTS * NOISE_POINTS)      # the check's noise segments
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
