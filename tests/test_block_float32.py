@@ -182,3 +182,11 @@ def test_a_poor_draw_of_stage_a_is_drawn_again(monkeypatch):
     assert r["block_refit_rms_after"] <= extract.RETRY_A * r["one_token_refit_rms_after"]
     assert max(r[k] for k in ("W_rel_err", "O_rel_err", "c_rel_err", "W1_rel_err")) <= 1e-4
     assert r["queries"] == sum(r[f"queries_stage_{k}"] for k in ("L", "activation", "V", "F", "A", "R"))
+
+
+def test_a_nearly_linear_ffn_in_float32_is_named_not_called_another_class():
+    """BertModel's own init in float32: the span keeps its best iterate there, and its "neurons" used to fail
+    stage F's one-token check as "not a post-LN GELU block" (exit 5, false: it is one); asked whether the FFN
+    is nearly linear as soon as the span stalls, it is exit 2 naming that."""
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=16,seed=14302,init=bert,dtype=float32", "block", raise_errors=False)
+    assert rep.exit_code == 2 and "almost linearly" in rep.row["error"]

@@ -639,8 +639,8 @@ def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: floa
                      best_on_stall: bool, max_iter: int, progress=None, probes: np.ndarray | None = None):
     """:func:`span` at rank ffn + 1, then :func:`neurons` (``cols``: the probes' count on the probe route):
     ``(Q, lifted, iterations, change, pairs, starts)``. A failure of either is asked :func:`nearly_linear`
-    (once; on the full route with exact answers already when Anderson stalls, before the polish: at d = 32
-    that polish is most of an hour), and a nearly linear FFN is raised as such."""
+    (once; on the full route already when Anderson stalls, before the polish: at d = 32 that polish is most
+    of an hour), and a nearly linear FFN is raised as such."""
     asked = []
 
     def linear(error):
@@ -655,9 +655,11 @@ def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: floa
 
     d = J.shape[1]
     try:
-        # asked early only where a stall is otherwise fatal and the rank-d fit is small (the full route, exact
-        # answers); elsewhere only after a failure, so no run that succeeds pays for it at MiniLM's size
-        early = stalled if probes is None and not best_on_stall else None
+        # asked early on the full route (small d: the rank-d fit costs seconds). Coarse answers need it there:
+        # their span keeps its best iterate, whose "neurons" then failed stage F's check as "not a GELU block"
+        # (float32 init=bert, d = 8, seed 14302: exit 5). The probe route (large d) asks only after a failure,
+        # so no run that succeeds pays for it at MiniLM's size
+        early = stalled if probes is None else None
         Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=tol, progress=progress,
                                         best_on_stall=best_on_stall, rng=rng, probes=probes, on_stall=early)
         pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=None if probes is None else probes.shape[1])
