@@ -247,6 +247,19 @@ def test_relu_where_gelu_is_assumed_is_a_mismatch(dtype):
     assert e.value.check == "activation" and e.value.figure < 4
 
 
+def test_a_nearly_linear_ffn_in_float32_is_not_called_kinked():
+    """BertModel's own init at d = 64 in float32: the circles' fine 4th differences are the answers' rounding
+    only (about 2x its most), so their ratio (4.5 here; measured 5.5 on another draw, below the threshold 5.66)
+    says nothing; a ReLU block's stand ~1e4x above it (1e13x in float64). Not refused as a ReLU."""
+    from headthief.extraction.block.smoothness import KINK_ABOVE, THRESHOLD
+    block = random_block(64, 4, 256, seed=14970, init="bert", dtype=np.float32)
+    sm = check_smooth_activation(ModelOracle(block), np.random.default_rng(0), precision=2.0 ** -24)
+    assert sm.ratio < THRESHOLD and max(sm.above_rounding) < KINK_ABOVE
+    relu = random_block(D, H, FFN, seed=32, dtype=np.float32, activation="relu")
+    with pytest.raises(ModelMismatch):
+        check_smooth_activation(ModelOracle(relu), np.random.default_rng(32), precision=2.0 ** -24)
+
+
 # ----------------------------------------------------------------------------- the encoder's embeddings
 
 

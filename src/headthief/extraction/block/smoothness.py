@@ -8,7 +8,10 @@ answers' size: for a smooth answer the largest fourth difference at spacing 2 de
 one at spacing delta; at a kink it grows like the spacing itself (ratio ~2). The spacing is the smallest
 at which the smooth fourth differences stand above the answers' rounding (``delta^4 ~ eps``), at most 256
 points a circle. The ratio is the median over ``CIRCLES`` circles; below ``sqrt(2 * 16)`` it is a kinked
-activation and a :class:`ModelMismatch`.
+activation and a :class:`ModelMismatch`, where the fine fourth differences stand above what the answers'
+rounding alone can give (``16 eps max|y|``, times ``KINK_ABOVE``): a kink's do by orders of magnitude, while a
+smooth answer whose fine differences are rounding only (a nearly linear FFN in float32 at the 256-point cap)
+has a ratio that says nothing either way, and is not refused here.
 
 Measured at 256 points (``random_block(32, 4, 128)``, seeds 0..3, and all-MiniLM-L6-v2 block 2): GELU
 15.4-15.8 (float64), 14.1-15.8 (float32), 14.7-15.7 (MiniLM, float32); ReLU 1.7-2.1 (float32). The spacing
@@ -29,6 +32,9 @@ from ...oracles.base import Oracle
 CIRCLES = 3
 MAX_POINTS = 256
 THRESHOLD = float(np.sqrt(2.0 * 16.0))
+KINK_ABOVE = 10.0      # a kink's 4th differences stand this far above the rounding's most (16 eps max|y|), or the
+                       # ratio is rounding's, not a kink's: a nearly linear FFN (BertModel's init, d = 64, float32)
+                       # gave 5.5 at 256 points, its fine differences at the rounding; a ReLU block's stand far above
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Smoothness:
     ratios: tuple[float, ...]      # per circle: max |4th difference| at 2 delta / at delta
     points: int                    # tokens per circle
     queries: int
+    above_rounding: tuple[float, ...] = ()   # per circle: max |4th difference| at delta over the rounding's most
 
     @property
     def ratio(self) -> float:
@@ -60,7 +67,7 @@ def check_smooth_activation(oracle: Oracle, rng: np.random.Generator, *, precisi
     K = int(min(MAX_POINTS, 2 * np.pi / eps ** 0.25))
     K = max(K - K % 2, 16)
     t = 2 * np.pi * np.arange(K) / K
-    ratios = []
+    ratios, above = [], []
     for _ in range(circles):
         if image is None:
             E, _ = np.linalg.qr(rng.standard_normal((d, 2)))
@@ -71,8 +78,9 @@ def check_smooth_activation(oracle: Oracle, rng: np.random.Generator, *, precisi
         Y = np.asarray(oracle.query_packed(X[:, None, :]))
         fine = float(np.abs(_fourth(Y)).max())
         ratios.append(float(np.abs(_fourth(Y[::2])).max()) / max(fine, 1e-300))
-    res = Smoothness(ratios=tuple(ratios), points=K, queries=circles * K)
-    if res.ratio < THRESHOLD:
+        above.append(fine / max(16.0 * eps * float(np.abs(Y).max()), 1e-300))
+    res = Smoothness(ratios=tuple(ratios), points=K, queries=circles * K, above_rounding=tuple(above))
+    if res.ratio < THRESHOLD and float(np.median(above)) > KINK_ABOVE:
         raise ModelMismatch(
             f"the one-token answers are kinked along great circles of tokens (4th-difference ratio {res.ratio:.2f} "
             f"< {THRESHOLD:.2f}; a smooth activation gives 16, a kink ~2): the FFN's activation is piecewise linear "
