@@ -556,7 +556,9 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
         raise ModelMismatch(
             f"the second-order reads are not those of {H} softmax heads: relative fit residual {fit_res:.3g} across "
             f"base tokens, (H+1)-th singular value {ranks:.3g} of the first; allowed {RANK_TOLERANCE:g} x the reads' "
-            f"nominal precision {expected:.2g} (another head count, or scores of another form?)",
+            f"nominal precision {expected:.2g} (another head count, or scores of another form? Or heads too weak for "
+            "the reads: nearly uniform attention, as BertModel's own init N(0, 0.02^2) gives, leaves them at the "
+            "answers' rounding: measured at d = 64 in float32)",
             check="head rank", figure=worst, threshold=RANK_TOLERANCE * expected)
 
     # coarse answers: the heads are only the block refit's start, and the reads' measured noise (up to 1e-2
