@@ -91,6 +91,25 @@ def test_stage_a_from_the_last_position_only():
     assert head_errors(att, block) <= 100 * att.info["heads_residual"] <= 1e-6
 
 
+def test_stage_a_names_heads_too_weak_to_read_and_still_refuses_a_wrong_head_count():
+    """float32 answers, the true one-token map as stage F's: BertModel's own init (scores near 0) leaves the
+    second-order reads at 1.7x the answers' rounding through them (a trained-scale block's: 2.6e4x), so their
+    failed fit is NotIdentifiable naming weak heads, not a wrong head count (it was that ModelMismatch, exit
+    5, at d = 64 end to end); a trained block asked for 2 of its 4 heads is still a ModelMismatch."""
+    from headthief.extraction.block.extract import parts_from_block
+    from headthief.extraction.block.heads import READ_SNR
+    from headthief.extraction.block.one_token_refit import model_jacobian
+    for init, H, err, text in (("bert", 4, NotIdentifiable, "too weak to read"),
+                               ("trained", 2, ModelMismatch, "not those of 2 softmax heads")):
+        block = random_block(16, 4, 32, seed=3, init=init, dtype=np.float32)
+        ln, vs, part, _ = parts_from_block(block)
+        with pytest.raises(err, match=text) as e:
+            extract_heads(ModelOracle(block), vs, np.random.default_rng(0), heads=H, precision=2.0 ** -24,
+                          jacobian=model_jacobian(part, ln, vs))
+        if init == "bert":
+            assert float(str(e.value).split("rms is ")[1].split("x")[0]) < READ_SNR
+
+
 def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
     block = random_block(24, 4, 48, seed=34)
     oracle = ModelOracle(block)

@@ -59,6 +59,8 @@ READ_BATCH = 1 << 15     # pair sequences a reads' batch holds at most (directio
                          # 769 x 776 pairs of one batch would hold 1.2 million tokens (their FFN alone 7 GB)
 COARSE_POLISH = 1e-3     # the heads' polish stops, for coarse reads, when 5 sweeps in a row gain less than this
 FIT_TOL = 1e-12          # the reads' output-space fit settles to max(precision, this) (read_fit)
+READ_SNR = 100.0       # reads below this many times the answers' rounding through them (eps / t^2, rms) are not
+                       # read (measured, d = 16 float32: a trained-scale block 2.6e4, BertModel's own init 1.7)
 RANK_TOLERANCE = 1e4     # a read's fit residual and (H+1)-th singular value may exceed the nominal error by this
                          # (measured on 20 random blocks d = 16: up to 4e2 x; a wrong head count gives > 1e7 x)
 
@@ -552,13 +554,18 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
         F.append(G)
         fit_res, ranks, weakest = max(fit_res, res), max(ranks, rank), min(weakest, last)
     worst = max(ranks, fit_res)
+    snr = float(np.sqrt(np.mean(JR ** 2))) / (eps / t ** 2)
+    if worst > RANK_TOLERANCE * expected and snr < READ_SNR:
+        raise NotIdentifiable(
+            f"the heads are too weak to read: the second-order reads' rms is {snr:.3g}x the answers' rounding "
+            f"through them (eps / t^2 = {eps / t ** 2:.2g}; below {READ_SNR:g}x), so their fit (residual "
+            f"{fit_res:.3g}) says nothing of the head count. The heads' scores are near 0 (nearly uniform attention, "
+            "as BertModel's own init N(0, 0.02^2) gives)")
     if worst > RANK_TOLERANCE * expected:
         raise ModelMismatch(
             f"the second-order reads are not those of {H} softmax heads: relative fit residual {fit_res:.3g} across "
             f"base tokens, (H+1)-th singular value {ranks:.3g} of the first; allowed {RANK_TOLERANCE:g} x the reads' "
-            f"nominal precision {expected:.2g} (another head count, or scores of another form? Or heads too weak for "
-            "the reads: nearly uniform attention, as BertModel's own init N(0, 0.02^2) gives, leaves them at the "
-            "answers' rounding: measured at d = 64 in float32)",
+            f"nominal precision {expected:.2g} (another head count, or scores of another form?)",
             check="head rank", figure=worst, threshold=RANK_TOLERANCE * expected)
 
     # coarse answers: the heads are only the block refit's start, and the reads' measured noise (up to 1e-2
