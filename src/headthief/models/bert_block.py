@@ -47,6 +47,7 @@ from .mha import AttentionLayer, evaluate_by_length, read_only
 
 BERT_EPS = 1e-12
 ACTIVATIONS = ("gelu", "relu", "gelu_tanh")
+INITS = ("trained", "bert")     # random_block: a trained block's scales, or BertModel's own init
 
 
 def gelu(s: np.ndarray) -> np.ndarray:
@@ -270,7 +271,7 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
         raise ValueError(f"need d, heads, ffn >= 1, got d={d}, heads={heads}, ffn={ffn}")
     if d % heads:
         raise ValueError(f"heads={heads} does not divide d={d}")
-    if init not in ("trained", "bert"):
+    if init not in INITS:
         raise ValueError(f"init must be 'trained' (a trained block's scales) or 'bert' (BertModel's own init), "
                          f"got {init!r}")
     dh = d // heads

@@ -46,7 +46,7 @@ def _block_info(block, **extra) -> dict[str, Any]:
 def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 
-    from ..models.bert_block import random_block
+    from ..models.bert_block import ACTIVATIONS, INITS, random_block
     from ..oracles.base import ModelOracle
     _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs", "init"})
     d = _int(opts, "d", lo=1)
@@ -57,7 +57,7 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
     act = opts.get("act", "gelu")
-    if act not in ("gelu", "relu", "gelu_tanh"):
+    if act not in ACTIVATIONS:
         raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or relu or gelu_tanh (blocks that are not "
                         "BERT's)")
     if d % H:
@@ -68,7 +68,7 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
     if inputs == "image" and d < 4:
         raise SpecError(f"{spec}: inputs=image needs d >= 4 (the image is a (d - 2)-sphere)")
     init = opts.get("init", "trained")
-    if init not in ("trained", "bert"):
+    if init not in INITS:
         raise SpecError(f"init={init!r}: use trained (a trained block's scales, the default) or bert (a layer of "
                         "transformers' BertModel as built from a config: weights N(0, 0.02^2), biases 0, LayerNorms 1 "
                         "and 0)")

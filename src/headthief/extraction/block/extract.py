@@ -266,9 +266,14 @@ def _ln_sequences(d: int) -> int:
 RESCUE = 100      # exact answers: a stage-F map within this factor of its check is refitted (F+) and checked again
 
 
+def _sequences(rng: np.random.Generator, n: int, length: int, d: int, scale: float) -> np.ndarray:
+    """``n`` random sequences of ``length`` tokens (n, length, d), every token of norm ``scale``."""
+    X = rng.standard_normal((n, length, d))
+    return X * (scale / np.linalg.norm(X, axis=2, keepdims=True))
+
+
 def _answers_for_ln(oracle: Oracle, rng: np.random.Generator, scale: float) -> np.ndarray:
-    X = rng.standard_normal((_ln_sequences(oracle.d), 16, oracle.d))
-    X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
+    X = _sequences(rng, _ln_sequences(oracle.d), 16, oracle.d, scale)
     return np.asarray(oracle.query_packed(X)), X
 
 
@@ -279,8 +284,7 @@ def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, blo
     d = oracle.d
     out = []
     for T, n in zip(REFIT_LENGTHS, refit_counts(d, block.ffn)):
-        X = rng.standard_normal((n, T, d))
-        X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
+        X = _sequences(rng, n, T, d, scale)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
     return out
 
@@ -437,11 +441,14 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
         ck.save("F", {**st, "stages": stages, "seconds": seconds})
     ln, vs, part, refit, ones, one = (st[k] for k in ("ln", "vs", "part", "refit", "ones", "one"))
     refit = dict(refit)
+    def draw_heads():                         # stage A; coarse answers: pulled back through F+'s map
+        return extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale,
+                             jacobian=model_jacobian(part, ln, vs) if coarse else None)
+
     if ck.to_run("A", done):
         q0 = oracle.queries
         describe("stage A (the heads)")
-        att = extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale,
-                            jacobian=model_jacobian(part, ln, vs) if coarse else None)
+        att = draw_heads()
         mark("A", q0)
         st = {**st, "att": att}
         ck.save("A", {**st, "stages": stages, "seconds": seconds})
@@ -475,8 +482,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
             tries += 1
             describe(f"stage A again (try {tries}: the block refit stopped at rms "
                      f"{brefit['block_refit_rms_after']:.2e}, {RETRY_A}x above F+'s {floor:.2e})")
-            att2 = extract_heads(oracle, vs, rng, heads=heads, precision=eps, scale=scale,
-                                 jacobian=model_jacobian(part, ln, vs))
+            att2 = draw_heads()
             block2, brefit2 = refit_block(assemble(ln, vs, part, att2), groups, rng=rng,
                                           progress=fit_progress("R block refit"), device=device)
             if brefit2["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
@@ -560,9 +566,7 @@ def _fit_noise(oracle: Oracle, seed, scale: float) -> tuple[float, float, int]:
     on ``NOISE_SEGMENTS`` short segments of the last token of 4-token sequences (tokens of norm ``scale``),
     and the queries it took: what the block refit's rms is judged against."""
     g = seed if isinstance(seed, np.random.Generator) else np.random.default_rng([int(seed), 0x401E])
-    X = g.standard_normal((NOISE_SEGMENTS, 4, oracle.d))
-    X *= scale / np.linalg.norm(X, axis=2, keepdims=True)
-    seqs = noise_segments(list(X), g, input_norm=oracle.input_norm)
+    seqs = noise_segments(list(_sequences(g, NOISE_SEGMENTS, 4, oracle.d, scale)), g, input_norm=oracle.input_norm)
     Y = np.asarray(oracle.query(np.stack(seqs)), dtype=np.float64)
     sigma = vector_answer_noise(list(Y))
     return sigma / max(float(np.sqrt(np.mean(Y ** 2))), 1e-300), sigma, len(seqs)
