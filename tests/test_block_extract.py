@@ -163,6 +163,30 @@ def test_method_block_recovers_every_part_and_passes_its_check(stage_f):
     assert np.max(np.abs(rep.result.predict(X) - y)) / np.sqrt(np.mean(y ** 2)) <= 1e-7
 
 
+def test_method_block_with_one_head_of_width_d():
+    """heads=1: the head's centred output map has rank d - 1 of its d columns, so stage A's polish meets a
+    singular normal matrix (it was exit 2 with numpy's bare "Singular matrix"); the minimum-norm solution
+    gives the same head."""
+    rep = ht.extract("bert-block:d=12,heads=1,ffn=24,seed=43", "block", verify=64)
+    r = rep.row
+    assert rep.ok and r["model_check"]["verdict"] == "pass" and r["heads"] == 1
+    parts = ("B_rel_err", "W1_rel_err", "W2_rel_err", "O_rel_err", "W_rel_err", "c_rel_err")
+    assert max(r[k] for k in parts) <= 1e-8 and r["fidelity_max_rel_err"] <= r["model_check"]["threshold"]
+
+
+def test_a_head_count_read_from_coarse_answers_that_does_not_divide_d_is_not_a_spec_error():
+    """d = 16 with 8 heads, float32: the count from coarse answers stops at (d - 1) // 2 = 7, which does not
+    divide d. That is the method's limit (2 H <= d - 1), said as such (it was SpecError "heads=7 must divide
+    d=16", as though the user had asked for 7)."""
+    from headthief.extraction.block.extract import parts_from_block
+    from headthief.extraction.block.one_token_refit import model_jacobian
+    block = random_block(16, 8, 32, seed=44, dtype=np.float32)
+    ln, vs, part, _ = parts_from_block(block)
+    with pytest.raises(NotIdentifiable, match="head count read from the answers, 7, does not divide d = 16"):
+        extract_heads(ModelOracle(block), vs, np.random.default_rng(0), heads=None, precision=2.0 ** -24,
+                      jacobian=model_jacobian(part, ln, vs))
+
+
 @pytest.mark.parametrize("factor", [2.0, 1e3])
 def test_a_stage_f_map_just_outside_its_check_is_refitted_in_float64(monkeypatch, factor):
     """Exact answers whose stage-F map misses its one-token check by a small factor (measured: transformers'

@@ -216,6 +216,31 @@ def test_two_blocks_as_one_are_a_mismatch():
     assert e.value.check == "value-sum" and e.value.figure > 1e3 * 1e-9
 
 
+class _Causal:
+    """One block behind a causal mask (a decoder's): position t answers as the last position of x_0..x_t does."""
+
+    output = Output.ALL
+
+    def __init__(self, block):
+        self.block, self.d, self.d_out = block, block.d, block.d
+
+    def evaluate(self, batch):
+        return _assemble(self.output, batch, [(i, np.stack([self.block.forward(A[:, :t + 1])[:, t]
+                                                            for t in range(A.shape[1])], axis=1))
+                                              for i, A in _groups(batch)], self.d)
+
+
+def test_a_causal_block_is_a_mismatch_that_names_the_mask():
+    block = random_block(D, H, FFN, seed=28)
+    with pytest.raises(ModelMismatch, match="causal mask") as e:
+        value_sum(ModelOracle(_Causal(block)), np.random.default_rng(28), precision=1e-15)
+    assert e.value.check == "value-sum" and e.value.figure > 1e3 * 1e-9
+    with pytest.raises(ModelMismatch, match="not one post-LN block") as e:      # the stack is not called causal
+        value_sum(ModelOracle(_Stack(random_block(D, H, FFN, seed=25), random_block(D, H, FFN, seed=26))),
+                  np.random.default_rng(25), precision=1e-15)
+    assert "causal" not in str(e.value)
+
+
 def test_value_sum_bad_input():
     from headthief.targets import resolve
     scalar = resolve("random:d=8,seed=1")

@@ -243,11 +243,21 @@ def _group(values: np.ndarray, H: int, size: int) -> list[np.ndarray] | None:
     return groups
 
 
+def _normal_solve(G, R):
+    """``G^{-1} R`` for the polish's normal equations; the minimum-norm solution where G is singular: one head
+    of width d (H = 1), whose centred output map has rank d - 1, so one of its d columns is free (any value of
+    it gives the same product, the minimum norm a zero)."""
+    try:
+        return np.linalg.solve(G, R)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(G, R, rcond=None)[0]
+
+
 def _outer(F, Z) -> np.ndarray:
     """Least squares for P in ``F_k = P Z_k`` over every read (F (reads, a, b), Z (reads, c, b))."""
     G = np.einsum("kib,kjb->ij", Z, Z, optimize=True)
     R = np.einsum("kab,kjb->aj", F, Z, optimize=True)
-    return np.linalg.solve(G, R.T).T
+    return _normal_solve(G, R.T).T
 
 
 DENSE_INNER = 2048       # _inner's normal matrix (H d r = d^2 unknowns) is formed and solved densely up to this many
@@ -278,7 +288,7 @@ def _inner(F, dirs, P, V) -> np.ndarray:
             G[g, :, h, :] = blk.T
     for h, Xh in enumerate(_inner_rhs(F, dirs, P, V)):
         rhs[h] = Xh.reshape(-1, order="F")
-    sol = np.linalg.solve(G.reshape(H * d * r, H * d * r), rhs.reshape(-1)).reshape(H, d * r)
+    sol = _normal_solve(G.reshape(H * d * r, H * d * r), rhs.reshape(-1)).reshape(H, d * r)
     return np.stack([sol[h].reshape(r, d, order="F").T for h in range(H)])        # Q_h: (d, r)
 
 
@@ -293,7 +303,7 @@ def _inner_cg(F, dirs, P, V, *, tol: float = 1e-14) -> np.ndarray:
     M = np.einsum("hdr,gds->hgrs", P, P)                                   # P_h^T P_g
     Wv = np.einsum("khm,kgm->khg", V, V)                                  # v_hk . v_gk
     rhs = _inner_rhs(F, dirs, P, V)
-    Minv = np.stack([np.linalg.inv(M[h, h]) for h in range(H)])
+    Minv = np.stack([np.linalg.pinv(M[h, h]) for h in range(H)])   # pinv: a head of width d has rank d - 1
     Oinv = np.stack([np.linalg.inv((dirs * Wv[:, h, h][:, None]).T @ dirs) for h in range(H)])
 
     def apply(X):
@@ -546,6 +556,12 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     coarse = eps > COARSE
     H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, P1, Qc,
                                                            None if coarse else RANK_TOLERANCE * expected)
+    if heads is None and (H < 1 or d % H):
+        # a count read from the answers that does not divide d is not the user's spec: the count rests on the
+        # gauge eigenvalue's majority (2 H < d - 1), coarse answers' count never goes past (d - 1) // 2
+        raise NotIdentifiable(f"the head count read from the answers, {H}, does not divide d = {d}: the count holds "
+                              f"only for 2 H <= d - 1 (H <= {(d - 1) // 2} here), and stage A needs that too; with "
+                              "more heads the block is beyond this method, with fewer give --heads")
     if heads is None:
         _check_heads(H, d)
     F, fit_res, ranks, weakest = [], 0.0, 0.0, 1.0

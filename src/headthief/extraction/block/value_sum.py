@@ -39,7 +39,8 @@ What this stage recovers, and how it is compared: ``P B`` and ``P b`` with ``P =
 (the ones-component is LN1's to ignore), exact up to the finite differences' truncation and the answers'
 rounding. The least-squares residual across base tokens is this stage's model check: a target in which
 one token's answers are not ``Phi(B x + b)`` for one B (two blocks, positions inside the block) leaves
-Jacobians no single B explains.
+Jacobians no single B explains; where position 0's Jacobian is then the one-token one (it ignores the token
+after it), the refusal names a causal mask.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     s = float(np.sqrt(d)) if scale is None else float(scale)
     h = s * eps ** 0.2 / np.sqrt(d)                     # balances rounding (eps / h) and truncation (h^4)
     expected = eps ** 0.8 * np.sqrt(d)
-    Js, Ds, nrhs, xs = [], [], [], []
+    Js, Ds, nrhs, xs, selfs = [], [], [], [], []
     q = 0
     measured = None
     for k in range(bases):
@@ -278,6 +279,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         Js.append(J_psi)
         xs.append(x)
         Ds.append(J_self - J_cross)
+        selfs.append(J_self)
         nrhs.append(-J_psi @ x)                         # J_Phi (B x + b) = J_Psi x + J_Phi b = 0 (the scale of pre)
     A = np.vstack(Js)
     R = np.vstack(Ds)
@@ -292,10 +294,19 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
     PB = centre(np.linalg.lstsq(R, A, rcond=None)[0])     # R's null space is the ones-vector: B modulo 1 r^T
     res = float(np.linalg.norm(R @ PB - A) / max(np.linalg.norm(A), 1e-300))
     if res > CONSISTENCY * expected:
+        # a causal mask: position 0 of (x + dx, x) then answers as the one token x + dx does, J_self = J_Psi
+        # (bidirectional: they differ by position 0's derivative along token 1, ~ (B - I) / 2)
+        blind = max(float(np.linalg.norm(S - J) / max(np.linalg.norm(J), 1e-300)) for S, J in zip(selfs, Js))
+        if oracle.output is Output.ALL and blind <= CONSISTENCY * expected:
+            raise ModelMismatch(
+                f"position 0's answer does not depend on the token after it (its Jacobian at {bases} base tokens is "
+                f"the one-token one to {blind:.3g}, within {CONSISTENCY:g} x the stencil's {expected:.2g}): a causal "
+                "mask (a decoder's block); the block method assumes bidirectional attention", check="value-sum",
+                figure=res, threshold=CONSISTENCY * expected)
         raise ModelMismatch(
             f"the Jacobians at {bases} base tokens are not J_Phi (delta_ij I + (B - I)/2) for one value-output map B "
             f"(relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): this target is not one "
-            "post-LN block (two blocks? positions inside the block?)", check="value-sum", figure=res,
+            "post-LN block (two blocks? positions inside the block: position embeddings or relative positions?)", check="value-sum", figure=res,
             threshold=CONSISTENCY * expected)
     c1 = np.linalg.svd(PB)[2][-1]                         # along B^{-1} 1: P B's one null direction
     c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
