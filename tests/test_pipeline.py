@@ -112,6 +112,24 @@ def test_a_failing_write_keeps_the_finished_result(monkeypatch, tmp_path, capsys
     assert code == EXIT_WRITE and row["queries"] == 72 and row["W_rel_err"] < 1e-10 and "disk full" in err
 
 
+def test_a_failed_linear_solve_inside_a_method_is_said_as_such(monkeypatch):
+    """numpy's LinAlgError ("Singular matrix", a ValueError) reached the user bare as exit 2's whole message
+    (the block method on one head of width d did this); it is now named as the method's degenerate case, still
+    exit 2, and a library caller gets it with numpy's error as its cause."""
+    from headthief.errors import NotIdentifiable
+    from headthief.extraction.single import exact
+
+    def singular(*a, **kw):
+        raise np.linalg.LinAlgError("Singular matrix")
+    monkeypatch.setattr(exact, "extract_exact", singular)
+    rep = ht.extract("random:d=8,seed=1", method="exact", raise_errors=False)
+    assert rep.exit_code == 2 and rep.error.startswith("a linear solve inside the exact method failed")
+    assert "Singular matrix" in rep.error and rep.row["error"] == rep.error
+    with pytest.raises(NotIdentifiable, match="degenerate case") as e:
+        ht.extract("random:d=8,seed=1", method="exact")
+    assert isinstance(e.value.__cause__, np.linalg.LinAlgError) and e.value.report.exit_code == 2
+
+
 def test_save_writes_where_numpy_says(tmp_path):
     rep = ht.extract("random:d=6,seed=1", method="exact", save=str(tmp_path / "head"))
     assert Path(rep.row["saved"]) == tmp_path / "head.npz"

@@ -557,6 +557,10 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             row["method_requested"] = "auto"
         _transport(row, oracle, journal)
     except (HeadthiefError, ValueError, MemoryError) as exc:
+        numpy_error = exc if type(exc).__name__ == "LinAlgError" else None
+        if numpy_error is not None:                 # numpy's bare "Singular matrix" says nothing to a user
+            exc = NotIdentifiable(f"a linear solve inside the {opts.method} method failed (numpy.linalg: "
+                                  f"{numpy_error}): the target is a degenerate case for this method's algebra")
         code = EXIT_SETTINGS if opening and isinstance(exc, HeadthiefError) else _exit_code(exc)
         partial = getattr(exc, "result", None)
         if partial is not None and tgt is not None:
@@ -579,6 +583,8 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
                      exception=exc)
         if raise_errors:
             exc.report = rep
+            if numpy_error is not None:
+                raise exc from numpy_error
             raise
         return rep
     finally:
