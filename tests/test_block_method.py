@@ -241,6 +241,72 @@ def test_a_causal_block_is_a_mismatch_that_names_the_mask():
     assert "causal" not in str(e.value)
 
 
+class _Dropout:
+    """A block whose answers are not a function of its input (dropout left on): every answer scaled by fresh
+    random factors around 1 (``spread``), from a generator of its own."""
+
+    output = Output.ALL
+
+    def __init__(self, block, spread):
+        self.block, self.d, self.d_out, self.spread = block, block.d, block.d, spread
+        self.rng = np.random.default_rng(29)
+
+    def evaluate(self, batch):
+        return _assemble(self.output, batch, [(i, self.block.forward(A) * (1 + self.spread * self.rng.standard_normal(
+            A.shape))) for i, A in _groups(batch)], self.d)
+
+
+def test_answers_that_are_not_a_function_of_the_input_are_refused_as_such():
+    """Dropout left on (transformers' BertLayer in training mode, p = 0.1) was refused as "ReLU?" by the
+    activation check; a refusal of the model class now first asks one sequence three times (3 queries)."""
+    import headthief as ht
+    from headthief.extraction.precision import REPEAT_LIMIT
+    block = random_block(16, 4, 32, seed=29)
+    rep = ht.extract(ModelOracle(_Dropout(block, 0.1)), "block", ffn=32, heads=4, raise_errors=False)
+    assert rep.exit_code == 5 and "answers the same query differently" in rep.error
+    assert rep.row["model_check"]["check"] == "repeatability"
+    assert rep.row["model_check"]["figure"] > REPEAT_LIMIT
+    # a deterministic target's refusal stands (a ReLU block), and so does one where fresh noise stays below the
+    # limit (stage L finds it off the LayerNorm's ellipsoid)
+    relu = random_block(16, 4, 32, seed=30, activation="relu")
+    for spread, words in ((0.0, "ReLU"), (1e-3, "undeclared noise")):
+        oracle = ModelOracle(_Dropout(relu, spread))
+        rep = ht.extract(oracle, "block", ffn=32, heads=4, raise_errors=False)
+        assert rep.exit_code == 5 and words in rep.error and "differently" not in rep.error
+
+
+class _Half:
+    """A block served in half precision: every answer rounded to float16 or bfloat16."""
+
+    output = Output.ALL
+
+    def __init__(self, block, kind):
+        self.block, self.d, self.d_out, self.kind = block, block.d, block.d, kind
+
+    def evaluate(self, batch):
+        def rounded(Y):
+            if self.kind == "float16":
+                return Y.astype(np.float16).astype(np.float64)
+            bits = Y.astype(np.float32).view(np.uint32)        # bfloat16: float32 with its low 16 bits cleared
+            return ((bits + 0x8000) & 0xFFFF0000).astype(np.uint32).view(np.float32).astype(np.float64)
+        return _assemble(self.output, batch, [(i, rounded(self.block.forward(A))) for i, A in _groups(batch)], self.d)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_half_precision_answers_are_refused_as_such(kind):
+    """transformers' BertLayer in float16 / bfloat16 was refused as a LayerNorm of another eps (exit 5); the
+    answers' own numbers say half precision: exit 2 after stage L's queries. float32 answers are not taken
+    for it."""
+    import headthief as ht
+    from headthief.extraction.precision import half_precision
+    block = random_block(16, 4, 32, seed=31)
+    rep = ht.extract(ModelOracle(_Half(block, kind)), "block", ffn=32, heads=4, raise_errors=False)
+    assert rep.exit_code == 2 and f"the answers are {kind} numbers" in rep.error and rep.row["queries_sent"] == 3
+    X = np.random.default_rng(1).standard_normal((3, 16, 16))
+    Y = random_block(16, 4, 32, seed=31, dtype=np.float32).forward(X)
+    assert half_precision(Y) is None and half_precision(_Half(block, kind).evaluate(list(np.ones((1, 4, 16))))) == kind
+
+
 def test_value_sum_bad_input():
     from headthief.targets import resolve
     scalar = resolve("random:d=8,seed=1")

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..errors import ModelMismatch
 from ..oracles.base import Oracle, oracle_stack
 
 SINGLE = "single-head attention"
@@ -377,3 +378,51 @@ check dispatches to them without importing them."""
 def register_class_check(model: str, preflight: Callable, verdict: Callable) -> None:
     """Let :func:`headthief.extraction.check.preflight` / ``verdict`` hand ``model`` to these functions."""
     CLASS_CHECKS[model] = (preflight, verdict)
+
+
+
+REPEAT_LIMIT = 1e-2       # answers to one query asked thrice may differ by this much (relative rms) at most
+REPEAT_QUERIES = 3        # check_repeatable's queries
+
+
+def check_repeatable(oracle: Oracle, seq: np.ndarray, *, what: str) -> float:
+    """Asks the sequence ``seq`` (T, d) three times, once alone and twice in one batch (so that a journal,
+    which keys answers by batch, replays none of them as another's): a target whose answers differ by more
+    than ``REPEAT_LIMIT`` (relative rms) is not a function of its input (dropout left on: a torch module in
+    training mode; measured on transformers' ``BertLayer`` at p = 0.1, which the block method otherwise
+    called a ReLU block), a :class:`ModelMismatch` naming that. A defence's fresh noise far below the limit
+    passes. Returns the difference (0.0 for a deterministic target). Three queries."""
+    seq = np.asarray(seq, np.float64)
+    one = np.asarray(oracle.query_packed(seq[None]), np.float64)
+    two = np.asarray(oracle.query_packed(np.stack([seq, seq])), np.float64).reshape((2,) + one.shape)
+    diff = float(np.sqrt(np.mean((two - one[None]) ** 2)) / max(np.sqrt(np.mean(one ** 2)), 1e-300))
+    if diff > REPEAT_LIMIT:
+        raise ModelMismatch(f"the target answers the same query differently: asked three times, its answers differ "
+                            f"by {diff:.3g} (relative rms, > {REPEAT_LIMIT:g}). {what} needs a deterministic model "
+                            "(dropout left on? call .eval() on a torch module)", check="repeatability",
+                            figure=diff, threshold=REPEAT_LIMIT)
+    return diff
+
+
+def half_precision(values: np.ndarray) -> str | None:
+    """``"bfloat16"`` or ``"float16"`` when every one of at least 16 finite answers is exactly such a number
+    (a model served in half precision; float32 and float64 answers almost never all are), else None."""
+    v = np.asarray(values, np.float64).ravel()
+    if v.size < 16 or not np.all(np.isfinite(v)) or not np.all(v.astype(np.float32) == v):
+        return None
+    if np.all((v.astype(np.float32).view(np.uint32) & 0xFFFF) == 0):
+        return "bfloat16"
+    with np.errstate(over="ignore"):
+        return "float16" if np.all(v.astype(np.float16).astype(np.float64) == v) else None
+
+
+def refuse_half_precision(values: np.ndarray, what: str) -> None:
+    """:class:`NotIdentifiable` where the answers are half precision (:func:`half_precision`): measured on
+    transformers' ``BertLayer`` in float16 / bfloat16, the block method's stage L otherwise refused them as a
+    LayerNorm of another eps."""
+    from ..errors import NotIdentifiable
+    kind = half_precision(values)
+    if kind is not None:
+        raise NotIdentifiable(f"the answers are {kind} numbers (every one exactly representable): {what} is built "
+                              "and validated for float32 or float64 answers; half precision rounds to 2^-11 "
+                              "(float16) or 2^-8 (bfloat16), 2,000x - 65,000x float32's 2^-24")

@@ -41,7 +41,8 @@ import numpy as np
 from ...errors import BudgetExceeded, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
-from ..precision import NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, vector_answer_noise
+from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, check_repeatable, noise_segments,
+                         refuse_half_precision, vector_answer_noise)
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
@@ -318,7 +319,40 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
                   stage_f: str = "auto", max_tflop: float = MAX_TFLOP,
                   refit_device: str | None = None) -> BlockExtraction:
-    """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences.
+    """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences
+    (:func:`_extract_block`). A refusal of the model class (:class:`ModelMismatch`) first asks one random
+    sequence three times (:func:`~headthief.extraction.precision.check_repeatable`): a target whose answers
+    are not a function of its input (dropout left on) is refused as that, not as the stage's wrong class."""
+    try:
+        return _extract_block(oracle, heads=heads, ffn=ffn, rng=rng, check=check, verify=verify,
+                              check_rng=check_rng, progress=progress, stage_f=stage_f, max_tflop=max_tflop,
+                              refit_device=refit_device)
+    except ModelMismatch as e:
+        _refuse_if_random(oracle, e)
+        raise
+
+
+REPEAT_SEED = 0x4E9EA7    # the repeated sequence's own generator: the run's is not touched
+
+
+def _refuse_if_random(oracle: Oracle, error: ModelMismatch) -> None:
+    """After ``error``: one random sequence of 4 tokens asked three times; answers that differ beyond
+    ``REPEAT_LIMIT`` raise that ModelMismatch instead (from ``error``). Skipped where the budget has no room."""
+    R, d = oracle.input_norm, oracle.d
+    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
+    seq = _sequences(np.random.default_rng(REPEAT_SEED), 1, 4, d, scale)[0]
+    try:
+        check_repeatable(oracle, seq, what="The block method")
+    except BudgetExceeded:
+        return
+    except ModelMismatch as m:
+        raise m from error
+
+
+def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.random.Generator | int,
+                   check: bool, verify: int, check_rng, progress, stage_f: str, max_tflop: float,
+                   refit_device: str | None) -> BlockExtraction:
+    """:func:`extract_block`'s stages L, activation, V, F, A and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
     they need a quarter of the queries or fewer). Where the stages after V plan more than ``max_tflop``
@@ -367,6 +401,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     if ck.to_run("V", done):
         q0 = oracle.queries
         Y, X_ln = _answers_for_ln(oracle, rng, scale)
+        refuse_half_precision(Y, "the block method")
         ln = fit_output_layernorm(Y)
         kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
         eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))

@@ -81,7 +81,8 @@ def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = ""
             f"{ln.sphere_residual:.3g} > {limit:.2g} (the larger of {SPHERE_PRECISION}x the answers' precision "
             f"{precision:.2g} and {SPHERE_EPS}x BERT's LayerNorm eps {BERT_EPS:g}). A LayerNorm with a larger eps "
             "(1e-5 in RoBERTa and many others) puts them off by about eps / var; the block models here assume "
-            "BERT's 1e-12", check="output-layernorm ellipsoid", figure=ln.sphere_residual, threshold=limit)
+            "BERT's 1e-12. Answers with undeclared noise (a defence's) are off it too",
+            check="output-layernorm ellipsoid", figure=ln.sphere_residual, threshold=limit)
 
 
 def fit_output_layernorm(Y: np.ndarray) -> OutputLayerNorm:

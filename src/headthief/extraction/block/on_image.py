@@ -220,7 +220,8 @@ def answer_precision(oracle: Oracle, Y: np.ndarray):
     """The stencils' precision for answers Y (float64: :data:`EPS`, the validated floor; float32: 2^-24; a
     tolerance over the answers' rms) and the :class:`~headthief.extraction.precision.AnswerKind`. Sign-only
     answers are refused."""
-    from ..precision import answer_kind
+    from ..precision import answer_kind, refuse_half_precision
+    refuse_half_precision(Y, "the block method")
     kind = answer_kind(oracle, Y)
     if kind.sign:
         raise SpecError("the block method needs vector answers, not signs")

@@ -306,8 +306,8 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         raise ModelMismatch(
             f"the Jacobians at {bases} base tokens are not J_Phi (delta_ij I + (B - I)/2) for one value-output map B "
             f"(relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): this target is not one "
-            "post-LN block (two blocks? positions inside the block: position embeddings or relative positions?)", check="value-sum", figure=res,
-            threshold=CONSISTENCY * expected)
+            "post-LN block (two blocks? positions inside the block: position embeddings, relative positions or a "
+            "convolution over positions?)", check="value-sum", figure=res, threshold=CONSISTENCY * expected)
     c1 = np.linalg.svd(PB)[2][-1]                         # along B^{-1} 1: P B's one null direction
     c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
     Bfull = PB + np.outer(np.ones(d), c1) * (np.linalg.norm(PB, 2) / np.sqrt(d))
