@@ -180,3 +180,22 @@ def test_a_neuron_search_behind_an_earlier_block_gets_the_wider_tolerances(capsy
                  "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["model_check"]["verdict"] == "pass" and row["fidelity_max_rel_err"] <= 1e-9
+
+
+def test_an_encoder_whose_answers_are_not_a_function_of_its_input_is_refused_as_such(tmp_path, capsys):
+    """transformers' BertModel left in training mode (dropout after the embeddings' LayerNorm) was refused as
+    "no LayerNorm at its output" at stage E (exit 5, 3 queries); a refusal now first asks one sequence three
+    times. Here an encoder's answers are scaled by fresh random factors (10%)."""
+    f = tmp_path / "dropout.py"
+    f.write_text(
+        "import numpy as np\n"
+        "from headthief.targets import resolve\n"
+        "E = resolve('bert-encoder:d=8,heads=2,ffn=16,layers=2,seed=3').truth\n"
+        "rng = np.random.default_rng(3)\n"
+        "def f(seqs):\n"
+        "    return [E.forward(np.asarray(x)[None])[0] * (1 + 0.1 * rng.standard_normal((len(x), 24))) for x in seqs]\n")
+    code = main(["extract", "--target", f"py:{f}:f", "--d", "8", "--d-out", "24", "--output", "all", "--ffn", "16",
+                 "--heads", "2", "--layers", "2", "--method", "encoder", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 5 and "answers the same query differently" in row["error"]
+    assert row["model_check"]["check"] == "repeatability" and row["queries_sent"] == 3 + 3     # stage E, the repeat

@@ -404,6 +404,26 @@ def check_repeatable(oracle: Oracle, seq: np.ndarray, *, what: str) -> float:
     return diff
 
 
+
+REPEAT_SEED = 0x4E9EA7    # the repeated sequence's own generator: the run's is not touched
+
+
+def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None:
+    """After a refusal of the model class (``error``): one random sequence of 4 tokens of norm sqrt(d) (or
+    half the input-norm bound) asked three times (:func:`check_repeatable`); answers that differ beyond
+    ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where the budget has no room."""
+    from ..errors import BudgetExceeded
+    R, d = oracle.input_norm, oracle.d
+    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
+    seq = np.random.default_rng(REPEAT_SEED).standard_normal((4, d))
+    seq *= scale / np.linalg.norm(seq, axis=1, keepdims=True)
+    try:
+        check_repeatable(oracle, seq, what=what)
+    except BudgetExceeded:
+        return
+    except ModelMismatch as m:
+        raise m from error
+
 def half_precision(values: np.ndarray) -> str | None:
     """``"bfloat16"`` or ``"float16"`` when every one of at least 16 finite answers is exactly such a number
     (a model served in half precision; float32 and float64 answers almost never all are), else None."""

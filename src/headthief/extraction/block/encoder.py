@@ -312,7 +312,22 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
                     positions: int | None = None, progress=None) -> EncoderExtraction:
     """Stage E, then every block from forward paths (module docstring). ``oracle``: an encoder API answering
-    ``(layers + 1) d`` numbers per position (every layer's hidden states), float64."""
+    ``(layers + 1) d`` numbers per position (every layer's hidden states), float64. A refusal of the model
+    class first asks one sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): an
+    encoder left in training mode (dropout) is refused as that, not as an encoder without LayerNorms."""
+    from ..precision import refuse_if_random
+    try:
+        return _extract_encoder(oracle, layers=layers, heads=heads, ffn=ffn, rng=rng, length=length, verify=verify,
+                                check=check, check_rng=check_rng, positions=positions, progress=progress)
+    except ModelMismatch as e:
+        refuse_if_random(oracle, e, what="The encoder method")
+        raise
+
+
+def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int,
+                     length: int, verify: int, check: bool, check_rng, positions: int | None,
+                     progress) -> EncoderExtraction:
+    """:func:`extract_encoder`'s stages."""
     rng = np.random.default_rng(rng)
     d = oracle.d
     if not oracle.output.vector or oracle.d_out != (layers + 1) * d:

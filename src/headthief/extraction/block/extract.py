@@ -41,8 +41,8 @@ import numpy as np
 from ...errors import BudgetExceeded, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
-from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, check_repeatable, noise_segments,
-                         refuse_half_precision, vector_answer_noise)
+from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, refuse_half_precision,
+                         refuse_if_random, vector_answer_noise)
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
@@ -321,32 +321,15 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
                   refit_device: str | None = None) -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences
     (:func:`_extract_block`). A refusal of the model class (:class:`ModelMismatch`) first asks one random
-    sequence three times (:func:`~headthief.extraction.precision.check_repeatable`): a target whose answers
+    sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): a target whose answers
     are not a function of its input (dropout left on) is refused as that, not as the stage's wrong class."""
     try:
         return _extract_block(oracle, heads=heads, ffn=ffn, rng=rng, check=check, verify=verify,
                               check_rng=check_rng, progress=progress, stage_f=stage_f, max_tflop=max_tflop,
                               refit_device=refit_device)
     except ModelMismatch as e:
-        _refuse_if_random(oracle, e)
+        refuse_if_random(oracle, e, what="The block method")
         raise
-
-
-REPEAT_SEED = 0x4E9EA7    # the repeated sequence's own generator: the run's is not touched
-
-
-def _refuse_if_random(oracle: Oracle, error: ModelMismatch) -> None:
-    """After ``error``: one random sequence of 4 tokens asked three times; answers that differ beyond
-    ``REPEAT_LIMIT`` raise that ModelMismatch instead (from ``error``). Skipped where the budget has no room."""
-    R, d = oracle.input_norm, oracle.d
-    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
-    seq = _sequences(np.random.default_rng(REPEAT_SEED), 1, 4, d, scale)[0]
-    try:
-        check_repeatable(oracle, seq, what="The block method")
-    except BudgetExceeded:
-        return
-    except ModelMismatch as m:
-        raise m from error
 
 
 def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.random.Generator | int,
