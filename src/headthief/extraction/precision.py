@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ModelMismatch
+from ..errors import BudgetExceeded, ModelMismatch, NotIdentifiable
 from ..oracles.base import Oracle, oracle_stack
 
 SINGLE = "single-head attention"
@@ -380,6 +380,9 @@ def register_class_check(model: str, preflight: Callable, verdict: Callable) -> 
     CLASS_CHECKS[model] = (preflight, verdict)
 
 
+# ---------------------------------------------------------------------------------------------------
+# answers a method cannot use: not a function of the input, or half precision
+
 
 REPEAT_LIMIT = 1e-2       # answers to one query asked thrice may differ by this much (relative rms) at most
 REPEAT_QUERIES = 3        # check_repeatable's queries
@@ -404,7 +407,6 @@ def check_repeatable(oracle: Oracle, seq: np.ndarray, *, what: str) -> float:
     return diff
 
 
-
 REPEAT_SEED = 0x4E9EA7    # the repeated sequence's own generator: the run's is not touched
 
 
@@ -412,7 +414,6 @@ def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None
     """After a refusal of the model class (``error``): one random sequence of 4 tokens of norm sqrt(d) (or
     half the input-norm bound) asked three times (:func:`check_repeatable`); answers that differ beyond
     ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where the budget has no room."""
-    from ..errors import BudgetExceeded
     R, d = oracle.input_norm, oracle.d
     scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
     seq = np.random.default_rng(REPEAT_SEED).standard_normal((4, d))
@@ -423,6 +424,7 @@ def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None
         return
     except ModelMismatch as m:
         raise m from error
+
 
 def half_precision(values: np.ndarray) -> str | None:
     """``"bfloat16"`` or ``"float16"`` when every one of at least 16 finite answers is exactly such a number
@@ -440,7 +442,6 @@ def refuse_half_precision(values: np.ndarray, what: str) -> None:
     """:class:`NotIdentifiable` where the answers are half precision (:func:`half_precision`): measured on
     transformers' ``BertLayer`` in float16 / bfloat16, the block method's stage L otherwise refused them as a
     LayerNorm of another eps."""
-    from ..errors import NotIdentifiable
     kind = half_precision(values)
     if kind is not None:
         raise NotIdentifiable(f"the answers are {kind} numbers (every one exactly representable): {what} is built "
