@@ -110,6 +110,14 @@ def test_stage_a_names_heads_too_weak_to_read_and_still_refuses_a_wrong_head_cou
             assert float(str(e.value).split("rms is ")[1].split("x")[0]) < READ_SNR
 
 
+def test_last_position_answers_are_refused_before_the_first_query():
+    """A block behind --output last ran stage L and ended in exit 2 "fitting a LayerNorm over d=16 needs at
+    least d + 2 = 18 answers, got 3" (transformers' BertLayer, measured); now refused up front, naming it."""
+    oracle = ModelOracle(random_block(D, H, FFN, seed=33, output="last"))
+    rep = ht.extract(oracle, "block", ffn=FFN, heads=H, raise_errors=False)
+    assert rep.exit_code == 2 and "every position (--output all)" in rep.error and oracle.queries == 0
+
+
 def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
     block = random_block(24, 4, 48, seed=34)
     oracle = ModelOracle(block)

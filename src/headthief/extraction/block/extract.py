@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, refuse_half_precision,
@@ -344,6 +345,10 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     a torch device for the two refits' losses (:mod:`.torch_losses`; None or ``numpy``: numpy)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
+    if oracle.output is not Output.ALL:     # before the first query (it was stage L's "needs 18 answers, got 3")
+        raise SpecError("the block method needs the answers at every position (--output all), got the last "
+                        "position's only: its stages V and A can read last-position answers, but stage L's "
+                        "LayerNorm fit, the refits and the model check are built for every position")
     rng = np.random.default_rng(rng)
     d = oracle.d
     if ffn is None or int(ffn) < 1:
