@@ -288,7 +288,8 @@ def test_two_blocks_as_one_end_in_exit_5(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_a_layernorm_eps_of_1e_5_is_a_mismatch_at_stage_l(tmp_path, dtype):
     """LayerNorms with eps 1e-5 (RoBERTa's) put the answers off the ellipsoid by ~eps / var: exit 5 at stage L,
-    after its queries and the refusal's repeat check only, in float32 too (there it was extracted at 20x the fidelity of an eps 1e-12 block).
+    after its queries and the refusal's repeat check only, in float32 too (there it was extracted at 20x the
+    fidelity of an eps 1e-12 block).
     The same block with BERT's 1e-12 passes stage L (the other tests here)."""
     f = tmp_path / "eps.py"
     f.write_text(

@@ -193,7 +193,8 @@ def test_an_encoder_whose_answers_are_not_a_function_of_its_input_is_refused_as_
         "E = resolve('bert-encoder:d=8,heads=2,ffn=16,layers=2,seed=3').truth\n"
         "rng = np.random.default_rng(3)\n"
         "def f(seqs):\n"
-        "    return [E.forward(np.asarray(x)[None])[0] * (1 + 0.1 * rng.standard_normal((len(x), 24))) for x in seqs]\n")
+        "    return [E.forward(np.asarray(x)[None])[0] * (1 + 0.1 * rng.standard_normal((len(x), 24)))\n"
+        "            for x in seqs]\n")
     code = main(["extract", "--target", f"py:{f}:f", "--d", "8", "--d-out", "24", "--output", "all", "--ffn", "16",
                  "--heads", "2", "--layers", "2", "--method", "encoder", "--json"])
     row = json.loads(capsys.readouterr().out)

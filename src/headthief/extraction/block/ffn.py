@@ -401,6 +401,9 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
             if done:
                 break
         U, S, Vt = np.linalg.svd(z.reshape(d, d))
+        if 1e-12 < S[1] / S[0] < POLISH_BELOW:
+            z = polish_rank_one(Q, U[:, 0], Vt[0])
+            U, S, Vt = np.linalg.svd(z.reshape(d, d))
         if S[1] > tol * S[0]:
             continue
         u, v = U[:, 0], Vt[0]
@@ -410,6 +413,39 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
         raise NotIdentifiable(f"found {len(found)} of {count} neurons (rank-one elements of the Jacobian span) in "
                               f"{starts} random starts: the span is not that of {count} neurons and LN1's gamma")
     return found, starts
+
+
+POLISH_BELOW = 1e-2      # a power iterate whose second over first singular value is below this is polished
+
+
+def polish_rank_one(Q: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The rank-one ``u v^T`` nearest span(Q) (orthonormal columns, d^2 x k) from a start near it: Levenberg-
+    Marquardt on ``(I - Q Q^T) vec(u v^T)`` with ``|u| = |v| = 1``, the exact Jacobian. Returns the unit element of
+    span(Q) it projects to. Projected power iteration converges linearly, at a rate near 1 where neurons are
+    coherent: SqueezeBERT's grouped FFN (each neuron in one 4 x 4 block of a 16 x 16 map) left 79% of the
+    starts between 1e-6 and 1e-3 from rank one after 500 steps, and 23 - 25 of 32 neurons were found in 1,480
+    starts; polished, all 32 within 1e-12 (synthetic grouped spans, 6 seeds) in 111 - 214 starts."""
+    from scipy.optimize import least_squares
+    d = u.size
+    eye = np.eye(d)
+
+    def away(M):                       # (I - Q Q^T) M for M (d^2, ...)
+        return M - Q @ (Q.T @ M)
+
+    def res(x):
+        a, b = x[:d], x[d:]
+        return np.concatenate([away(np.outer(a, b).ravel()), [a @ a - b @ b, (a @ a + b @ b) / 2 - 1]])
+
+    def jac(x):
+        a, b = x[:d], x[d:]
+        Ju = away(np.kron(eye, b[:, None]))           # d vec(a b^T) / d a: rows i d + j, column i: b_j
+        Jv = away(np.kron(a[:, None], eye))           # d vec(a b^T) / d b: rows i d + j, column j: a_i
+        return np.vstack([np.hstack([Ju, Jv]), np.concatenate([2 * a, -2 * b])[None], np.concatenate([a, b])[None]])
+    sol = least_squares(res, np.concatenate([u, v]), jac=jac, method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
+                        max_nfev=100)
+    m = np.outer(sol.x[:d], sol.x[d:]).ravel()
+    m = Q @ (Q.T @ m)
+    return m / np.linalg.norm(m)
 
 
 def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.random.Generator, *,
