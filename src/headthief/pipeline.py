@@ -557,7 +557,7 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             row["method_requested"] = "auto"
         _transport(row, oracle, journal)
     except (HeadthiefError, ValueError, MemoryError) as exc:
-        numpy_error = exc if type(exc).__name__ == "LinAlgError" else None
+        numpy_error = exc if isinstance(exc, np.linalg.LinAlgError) else None
         if numpy_error is not None:                 # numpy's bare "Singular matrix" says nothing to a user
             exc = NotIdentifiable(f"a linear solve inside the {opts.method} method failed (numpy.linalg: "
                                   f"{numpy_error}): the target is a degenerate case for this method's algebra")

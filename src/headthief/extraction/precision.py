@@ -410,14 +410,18 @@ def check_repeatable(oracle: Oracle, seq: np.ndarray, *, what: str) -> float:
 REPEAT_SEED = 0x4E9EA7    # the repeated sequence's own generator: the run's is not touched
 
 
-def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None:
-    """After a refusal of the model class (``error``): one random sequence of 4 tokens of norm sqrt(d) (or
-    half the input-norm bound) asked three times (:func:`check_repeatable`); answers that differ beyond
-    ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where the budget has no room."""
+def token_scale(oracle: Oracle) -> float:
+    """The block methods' token norm: sqrt(d), or half the oracle's input-norm bound where that is smaller."""
     R, d = oracle.input_norm, oracle.d
-    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
-    seq = np.random.default_rng(REPEAT_SEED).standard_normal((4, d))
-    seq *= scale / np.linalg.norm(seq, axis=1, keepdims=True)
+    return float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
+
+
+def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None:
+    """After a refusal of the model class (``error``): one random sequence of 4 tokens of norm :func:`token_scale`
+    asked three times (:func:`check_repeatable`); answers that differ beyond
+    ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where the budget has no room."""
+    seq = np.random.default_rng(REPEAT_SEED).standard_normal((4, oracle.d))
+    seq *= token_scale(oracle) / np.linalg.norm(seq, axis=1, keepdims=True)
     try:
         check_repeatable(oracle, seq, what=what)
     except BudgetExceeded:

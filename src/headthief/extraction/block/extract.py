@@ -43,7 +43,7 @@ from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, refuse_half_precision,
-                         refuse_if_random, vector_answer_noise)
+                         refuse_if_random, token_scale, vector_answer_noise)
 from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, check_one_token, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
@@ -359,8 +359,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
     before = counters(oracle)
-    R = oracle.input_norm
-    scale = float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
+    scale = token_scale(oracle)
     stages: dict[str, Any] = {}
     seconds: dict[str, float] = {}
 

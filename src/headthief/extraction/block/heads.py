@@ -569,13 +569,13 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
     coarse = eps > COARSE
     H = int(heads) if heads is not None else count_heads([G for G, _ in fits], vs.c0, P1, Qc,
                                                            None if coarse else RANK_TOLERANCE * expected)
-    if heads is None and (H < 1 or d % H):
-        # a count read from the answers that does not divide d is not the user's spec: the count rests on the
-        # gauge eigenvalue's majority (2 H < d - 1), coarse answers' count never goes past (d - 1) // 2
-        raise NotIdentifiable(f"the head count read from the answers, {H}, does not divide d = {d}: the count holds "
-                              f"only for 2 H <= d - 1 (H <= {(d - 1) // 2} here), and stage A needs that too; with "
-                              "more heads the block is beyond this method, with fewer give --heads")
     if heads is None:
+        if H < 1 or d % H:
+            # a count read from the answers that does not divide d is not the user's spec: the count rests on
+            # the gauge eigenvalue's majority (2 H < d - 1), coarse answers' count never goes past (d - 1) // 2
+            raise NotIdentifiable(f"the head count read from the answers, {H}, does not divide d = {d}: the count "
+                                  f"holds only for 2 H <= d - 1 (H <= {(d - 1) // 2} here), and stage A needs that "
+                                  "too; with more heads the block is beyond this method, with fewer give --heads")
         _check_heads(H, d)
     F, fit_res, ranks, weakest = [], 0.0, 0.0, 1.0
     for G, res in fits:
