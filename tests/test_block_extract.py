@@ -5,6 +5,7 @@ budget and journal."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -441,3 +442,31 @@ def test_cli_table_lists_every_head(capsys):
                  "--quiet"])
     out = capsys.readouterr().out
     assert code == 0 and "  head 0" in out and "  head 1" in out
+
+
+def test_cli_logs_stages_when_stderr_is_a_file(capsys):
+    """stderr not a terminal (a log file, nohup): a line per stage, timestamped, with the queries so far."""
+    from headthief.cli import main
+    code = main(["extract", "--target", f"{SPEC},seed=44", "--method", "block", "--verify", "16", "--json"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0
+    stages = [line for line in err if "stage F (" in line or "stage A (" in line]
+    assert len(stages) == 2 and all(re.match(r"\d\d:\d\d:\d\d headthief block bert-block:", s) for s in stages)
+    assert int(stages[1].rsplit(", ", 1)[1].split()[0].replace(",", "")) > 0
+
+
+def test_progress_log_lines_at_most_once_a_minute_between_stages(capsys):
+    from headthief.cli.extract import LOG_EVERY, _ProgressBar
+    now = [0.0]
+    bar = _ProgressBar(None, "block x", enabled=True, clock=lambda: now[0])
+    bar.describe("stage F (span)")                        # a new stage: a line
+    for _ in range(10):                                   # queries and evaluations within the minute: none
+        now[0] += LOG_EVERY / 20
+        bar(100)
+        bar.describe("stage F (span), evaluation 1")
+    now[0] += LOG_EVERY                                    # a minute on: one line
+    bar(5)
+    bar.describe("stage A (heads)")                        # a new stage: a line
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and lines[1].endswith("1,005 queries") and "stage A (heads)" in lines[2]
+    assert _ProgressBar(None, "quiet", enabled=False).log is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 from ..methods import METHODS
@@ -99,14 +100,24 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="the oracle refuses tokens with ||x|| > R (noisy/membership methods default to R = 1)")
 
 
-class _ProgressBar:
-    """A rich progress bar on stderr (only when stderr is a terminal)."""
+LOG_EVERY = 60.0     # seconds between progress lines when stderr is not a terminal (a log file, nohup)
 
-    def __init__(self, total: int | None, label: str, enabled: bool):
+
+class _ProgressBar:
+    """A rich progress bar on stderr when stderr is a terminal; otherwise (a log file) plain timestamped lines:
+    one when a method's stage changes, and at most one every ``LOG_EVERY`` seconds in between (the queries
+    so far, a long fit's evaluation), so a run of hours shows it is alive in its log."""
+
+    def __init__(self, total: int | None, label: str, enabled: bool, *, clock=time.monotonic):
         self.bar = None
         self.count = 0
         self.label = label
-        if enabled and sys.stderr.isatty():
+        self.log = enabled and not sys.stderr.isatty()
+        self.clock = clock
+        self.stage: str | None = None
+        self.text = ""
+        self.last = clock()
+        if enabled and not self.log:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -122,11 +133,25 @@ class _ProgressBar:
         """What the run is doing now, beside the bar (a method's stages, a long fit's evaluations)."""
         if self.bar is not None:
             self.bar.update(self.task, description=f"{self.label}: {text}")
+        elif self.log:
+            self.text = text
+            stage = text.split(",")[0]
+            if stage != self.stage or self.clock() - self.last >= LOG_EVERY:
+                self.stage = stage
+                self._line()
+
+    def _line(self) -> None:
+        self.last = self.clock()
+        now = f"{self.text}, " if self.text else ""
+        print(f"{time.strftime('%H:%M:%S')} headthief {self.label}: {now}{self.count:,} queries",
+              file=sys.stderr, flush=True)
 
     def __call__(self, n: int) -> None:
         self.count += n
         if self.bar is not None:
             self.bar.update(self.task, advance=n)
+        elif self.log and self.clock() - self.last >= LOG_EVERY:
+            self._line()
 
     def close(self) -> None:
         if self.bar is not None:
