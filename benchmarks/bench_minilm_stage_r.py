@@ -65,12 +65,15 @@ def fidelity_on(block, oracle, sequences) -> float:
 
 def acceptance_inputs(layer: int, rng, n: int = 64) -> tuple[list, list]:
     """The issue's two input sets for block ``layer``: every shipped sentence's ``hidden_states[layer]`` in
-    the real model (the inputs the real block sees), and ``n`` fresh sequences of 1 to 16 random tokens on
-    the previous LayerNorm's image (``gamma n + beta``, ``mean(n) = 0``, ``|n| = sqrt(d)``; the embeddings'
-    LayerNorm for block 0)."""
-    from headthief.models.bert_block import _minilm_tensors
+    the real model (the inputs the real block sees), and :func:`layernorm_image`'s ``n`` sequences."""
     from headthief.targets.sentences import hidden_states_of_sentences, load_sentences
-    real = hidden_states_of_sentences(load_sentences())[layer]
+    return hidden_states_of_sentences(load_sentences())[layer], layernorm_image(layer, rng, n)
+
+
+def layernorm_image(layer: int, rng, n: int = 64) -> list:
+    """``n`` fresh sequences of 1 to 16 random tokens on the LayerNorm before block ``layer`` (``gamma n +
+    beta``, ``mean(n) = 0``, ``|n| = sqrt(d)``; the embeddings' LayerNorm for block 0)."""
+    from headthief.models.bert_block import _minilm_tensors
     if layer == 0:
         t = _minilm_tensors()
         gamma, beta = t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"]
@@ -83,7 +86,7 @@ def acceptance_inputs(layer: int, rng, n: int = 64) -> tuple[list, list]:
         u -= u.mean(axis=1, keepdims=True)
         u *= np.sqrt(len(beta)) / np.linalg.norm(u, axis=1, keepdims=True)
         image.append(np.asarray(gamma, np.float64) * u + np.asarray(beta, np.float64))
-    return real, image
+    return image
 
 
 def report(label: str, block, parts, truth, oracle, rng, d: int, inputs=None) -> None:

@@ -3,6 +3,12 @@ as a BertModel encoder that loads back into the packaged all-MiniLM-L6-v2 (issue
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -101,3 +107,36 @@ def test_bad_encoder_files(tmp_path):
     import dataclasses
     with pytest.raises(ValueError, match="uses relu"):
         encoder_tensors([dataclasses.replace(relu, activation="relu")])
+
+
+def _judge(*args):
+    """benchmarks/judge_minilm_block.py run as a user runs it."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "judge_minilm_block.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_block_judge_passes_the_real_block_and_fails_a_perturbed_one():
+    """benchmarks/judge_minilm_block.py: the real block 1 written as a --save file meets every goal (its figures are
+    the real model's float32 rounding), one with every weight off by 1e-3 meets none."""
+    run = _judge("--truth", "--perturb", "1e-3", "--layer", "1", "--limit", "4", "--json")
+    assert run.returncode == 0, run.stderr
+    cases = json.loads(run.stdout)["cases"]
+    truth, off = cases["truth"], cases["perturb 0.001"]
+    assert truth["attention_worst"] <= 1e-12 and truth["other_parts_worst"] <= 1e-12
+    assert all(truth["met"].values()) and not any(off["met"].values())
+    assert 1e-4 < off["attention_worst"] < 1e-1 and off["sentences_bert_layer"] > 1e-3
+
+
+def test_block_judge_refuses_another_block(tmp_path):
+    from headthief.extraction.block.extract import SAVE_FORMAT
+    from headthief.models.bert_block import random_block
+    from headthief.models.bert_export import write_safetensors
+    small = random_block(16, 4, 32, seed=1)
+    path = tmp_path / "small.safetensors"
+    write_safetensors({k: np.asarray(v, np.float64) for k, v in small.state_dict().items()}, path,
+                      {"format": SAVE_FORMAT, "heads": "4", "ffn": "32"}, None)
+    run = _judge("--block", str(path), "--limit", "2")
+    assert run.returncode != 0 and "MiniLM block 2 has d = 384" in run.stderr
+    run = _judge("--block", str(tmp_path / "none.safetensors"))
+    assert run.returncode == 2 and "no such file" in run.stderr
