@@ -176,7 +176,7 @@ def main() -> None:
                          "heads": att, "queries": queries, "minutes": minutes}, fh)
         os.replace(tmp, args.save)
 
-    def checkpoint(calls, block):                       # an unfinished R is kept too, to go on with --load
+    def checkpoint(calls, block, history):              # an unfinished R is kept too, to go on with --load
         save(block, {"block_refit_iterations": done + calls, "checkpoint": True}, saved["queries"] + oracle.queries,
              saved["minutes"] + (time.perf_counter() - t0) / 60)
 

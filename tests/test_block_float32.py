@@ -63,7 +63,7 @@ def test_block_refit_of_an_ungauged_start_and_its_checkpoints(perturbed_block):
     assert np.any(truth.ln1_beta != 0) and np.any(truth.attention.bv != 0)
     seen = []
     fitted, info = block_refit.refit_block(start, [(X, Y)], max_iter=200,
-                                           checkpoint=lambda calls, blk: seen.append((calls, blk)))
+                                           checkpoint=lambda calls, blk, history: seen.append((calls, blk)))
     rms = np.sqrt(np.mean(Y * Y))
     def err(blk):
         return float(np.sqrt(np.mean((blk.forward(X) - Y) ** 2)) / rms)

@@ -56,9 +56,12 @@ def test_a_refit_cut_short_goes_on_from_its_checkpoint(tmp_path, monkeypatch, un
     class Cut(Exception):
         pass
 
+    done = []
+
     def cut(*args, checkpoint, **kw):                   # the process dies just after the refit's first checkpoint
-        def keep(calls, fitted):
-            checkpoint(calls, fitted)
+        def keep(calls, fitted, history):
+            checkpoint(calls, fitted, history)
+            done.append(len(history) - 1)
             raise Cut
         return real(*args, checkpoint=keep, **kw)
 
@@ -80,6 +83,11 @@ def test_a_refit_cut_short_goes_on_from_its_checkpoint(tmp_path, monkeypatch, un
     # the refit reaches the same precision as the uninterrupted one, and the block passes its model check
     for k in ("block_refit_rms_after", "one_token_refit_rms_after"):
         assert r[k] <= 2 * full[k]
+    # the resumed fit is the cut one continued: its start, its iterations before the cut (and so its stopping
+    # rule's window and its iteration cap) carried in the checkpoint
+    prefix = "block_refit" if stage == "R-partial" else "one_token_refit"
+    assert r[f"{prefix}_rms_before"] == pytest.approx(full[f"{prefix}_rms_before"], rel=1e-9)
+    assert done[0] > 0 and r[f"{prefix}_iterations"] > done[0]
     assert r["fidelity_max_rel_err"] <= r["model_check"]["threshold"]
 
 

@@ -87,3 +87,39 @@ def test_a_sliding_check_stops_on_the_same_path_no_later():
     assert cut[1] >= GAIN * ahead[1]
     with pytest.raises(ValueError, match="check must be"):
         minimize_in_chunks(fun, x0, L0, 10, check=0)
+
+
+def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
+    """A fit cut short and resumed with the losses it kept (``history``) stops where the uninterrupted fit's rule
+    would, not a whole window later, and its iteration cap counts the iterations before the cut."""
+    from headthief.extraction.block.lbfgs import CHUNK
+    rng = np.random.default_rng(6)
+    J = rng.standard_normal((300, 100)) * np.logspace(0, -3, 100)
+    y = J @ rng.standard_normal(100) + 1e-3 * rng.standard_normal(300)
+
+    def fun(x):
+        r = J @ x - y
+        return 0.5 * float(r @ r), J.T @ r
+
+    x0 = np.zeros(100)
+    L0 = fun(x0)[0]
+    history: list[float] = []
+    whole = minimize_in_chunks(fun, x0, L0, 5000, check=100, history=history)
+    stop = whole[2]
+    assert CHUNK < stop < 5000 and len(history) == stop + 1 and history[0] == L0
+    cut_at = stop - 30                                   # cut inside the window that ended the fit
+    kept: list[float] = []
+    x_cut, L_cut, n_cut, _ = minimize_in_chunks(fun, x0, L0, cut_at, check=100, history=kept)
+    assert n_cut == cut_at and len(kept) == cut_at + 1
+    resumed = minimize_in_chunks(fun, x_cut, L_cut, 5000, check=100, history=list(kept))
+    afresh = minimize_in_chunks(fun, x_cut, L_cut, 5000, check=100)
+    assert cut_at < resumed[2] <= stop + 100 and "gained less than" in resumed[3]
+    assert afresh[2] >= CHUNK                            # without its history a resumed fit spends a whole window
+    capped = minimize_in_chunks(fun, x_cut, L_cut, cut_at, check=100, history=list(kept))
+    assert capped[2] == cut_at and "cap" in capped[3] and np.array_equal(capped[0], x_cut)
+    # the chunks' own rule: the first chunk after the resume ends where the cut one would have
+    chunks: list[float] = []
+    minimize_in_chunks(fun, x0, L0, 730, history=chunks)
+    x1 = minimize_in_chunks(fun, x0, L0, 730)[0]
+    total = minimize_in_chunks(fun, x1, fun(x1)[0], 1000, history=chunks)[2]
+    assert total == 1000 and len(chunks) == 1001

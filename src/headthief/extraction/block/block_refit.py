@@ -140,16 +140,18 @@ def _with(block, p: dict):
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
                 rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None,
-                device: str | None = None):
+                device: str | None = None, history: list[float] | None = None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
     chunks' stopping rule (:func:`.lbfgs.minimize_in_chunks`), run in coordinates scaled by the Gauss-Newton
     diagonal (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
     ``scaled=False``: in the parameters themselves, as first built). :class:`ConvergenceError` if the fit
-    cannot improve. ``checkpoint(calls, block)``, if given, gets the block at the current parameters every
-    ``CHECKPOINT_EVERY`` evaluations (a long refit's progress kept where the caller wants it). ``device``: a
-    torch device for the loss and its gradient (:mod:`.torch_losses`; None: numpy)."""
+    cannot improve. ``checkpoint(calls, block, history)``, if given, gets the block at the current parameters
+    and the loss after every iteration so far every ``CHECKPOINT_EVERY`` evaluations (a long refit's progress
+    kept where the caller wants it; ``history`` given back resumes the fit's iteration count and stopping rule:
+    :func:`.lbfgs.minimize_in_chunks`). ``device``: a torch device for the loss and its gradient
+    (:mod:`.torch_losses`; None: numpy)."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     block = gauged(block)               # the loss's gauges (module docstring); the same answers
     start = params_of(block)
@@ -170,6 +172,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     scale = (diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0)
              if scaled else None)
     calls = [0]
+    seen = [] if history is None else [float(v) for v in history]
 
     def fun(th):
         calls[0] += 1
@@ -177,10 +180,11 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:
-            checkpoint(calls[0], _with(block, {**fixed, **unpack(th, shapes)}))
+            checkpoint(calls[0], _with(block, {**fixed, **unpack(th, shapes)}), list(seen))
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale)
+    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale, history=seen)
+    L0 = seen[0]                                       # the fit's own start (before a resume, if any)
     before = float(np.sqrt(2 * L0 / count) / rms)
     after = float(np.sqrt(2 * L1 / count) / rms)
     if not np.isfinite(L1) or L1 >= L0:

@@ -431,15 +431,17 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         if coarse:
             after_span = {"rng_state": rng.bit_generator.state, "spent": ck.spent()}   # F+'s answers follow
 
-            def keep_f(calls, parts):             # F+'s progress, at most once a minute
+            def keep_f(calls, parts, history):    # F+'s progress, at most once a minute
                 if ck.due():
                     ck.save("F+partial", {**st, "fplus": parts, "fplus_calls": calls + st.get("fplus_calls", 0),
-                                          "stages": stages, "seconds": seconds}, **after_span)
+                                          "fplus_history": history, "stages": stages, "seconds": seconds},
+                            **after_span)
 
             describe("F+ one-token refit")
             part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale,
                                                           start=st.get("fplus"), checkpoint=keep_f, device=device,
-                                                          progress=fit_progress("F+ one-token refit"))
+                                                          progress=fit_progress("F+ one-token refit"),
+                                                          history=st.get("fplus_history"))
             if "fplus" in st:
                 refit["resumed_from_evaluation"] = st["fplus_calls"]
         try:
@@ -458,7 +460,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             refit["after_check"] = float(e.figure)
             one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
         mark("F", q0)
-        st = {k: v for k, v in st.items() if k not in ("span", "fplus", "fplus_calls", "f_start")}
+        st = {k: v for k, v in st.items() if k not in ("span", "fplus", "fplus_calls", "fplus_history", "f_start")}
         st = {**st, "ln": ln, "vs": vs, "part": part, "refit": refit, "ones": ones, "one": one}
         ck.save("F", {**st, "stages": stages, "seconds": seconds})
     ln, vs, part, refit, ones, one = (st[k] for k in ("ln", "vs", "part", "refit", "ones", "one"))
@@ -484,14 +486,14 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         if "partial" in st:
             refit["block_refit_resumed_from_evaluation"] = st["partial_calls"]
 
-        def keep(calls, partial):             # R's progress, at most once a minute: a cut run loses little
+        def keep(calls, partial, history):    # R's progress, at most once a minute: a cut run loses little
             if ck.due():
                 ck.save("R-partial", {**st, "partial": partial, "partial_calls": calls + st.get("partial_calls", 0),
-                                      "stages": stages, "seconds": seconds}, **after_a)
+                                      "partial_history": history, "stages": stages, "seconds": seconds}, **after_a)
 
         describe("R block refit")
         block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"),
-                                    device=device)
+                                    device=device, history=st.get("partial_history"))
         tries, q_retry = 1, oracle.queries
         floor = float(refit.get("refit_rms_after", np.inf))        # F+'s in-sample rms: the same answers' floor
         while (brefit["block_refit_rms_after"] > RETRY_A * floor and tries < A_TRIES
@@ -513,8 +515,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         if tries > 1:
             refit.update({"block_stage_a_tries": tries, "block_stage_a_retry_queries": int(oracle.queries - q_retry)})
         mark("R", q0)
-        st = {**{k: v for k, v in st.items() if k not in ("partial", "partial_calls")}, "block": block, "refit": refit,
-              "att": att}
+        kept = {k: v for k, v in st.items() if k not in ("partial", "partial_calls", "partial_history")}
+        st = {**kept, "block": block, "refit": refit, "att": att}
         ck.save("R", {**st, "stages": stages, "seconds": seconds})
     if coarse:
         block, refit = st["block"], dict(st["refit"])

@@ -75,7 +75,8 @@ def signs(rng: np.random.Generator, shape) -> np.ndarray:
 
 
 def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: float = GAIN,
-                       scale: np.ndarray | None = None, check: int = CHUNK) -> tuple[np.ndarray, float, int, str]:
+                       scale: np.ndarray | None = None, check: int = CHUNK,
+                       history: list[float] | None = None) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
     iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
@@ -83,20 +84,35 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     ``check`` < CHUNK: every ``check`` iterations, the last CHUNK iterations (across chunks) must have brought
     the loss below ``gain`` x where it was, else the fit stops there: the same test on a window that slides by
     ``check``, so at most CHUNK - ``check`` fewer iterations are spent without gain at the end (``check =
-    CHUNK``: the chunks' own test)."""
+    CHUNK``: the chunks' own test).
+
+    ``history``: a list the fit keeps the loss after every iteration in (index 0: the start), appended to in
+    place, so a caller can checkpoint it with the parameters. A fit resumed from a checkpoint passes the list it
+    kept: ``theta0`` then continues it (its loss ``L0`` stands for the last entry), the iterations before the
+    cut count toward ``max_iter`` and the stopping rule's window, and the first chunk ends where the cut one
+    would have, so a resumed fit stops where an uninterrupted one would (its L-BFGS memory aside). The
+    iterations returned are the whole fit's."""
     from scipy.optimize import minimize
+    seen = [] if history is None else history          # the loss after every iteration so far
     if scale is not None:
         s = np.asarray(scale, dtype=np.float64)
 
         def scaled(z):
             L, G = fun(z / s)
             return L, G / s
-        z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain, check=check)
+        z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain, check=check,
+                                                   history=seen)
         return z / s, L1, iters, message
     if not 1 <= int(check) <= CHUNK:
         raise ValueError(f"check must be 1..{CHUNK} iterations, got {check}")
-    theta, L1, iters, message = theta0, float(L0), 0, ""
-    seen = [L1]                                       # the loss after every iteration so far
+    if seen:
+        seen[-1] = float(L0)                          # resumed: the start stands where the cut fit was
+    else:
+        seen.append(float(L0))
+    done = len(seen) - 1                              # iterations before a resume (0: a fresh fit)
+    theta, L1, iters, message = theta0, float(L0), done, ""
+    if done >= max_iter:
+        return theta, L1, iters, f"the iteration cap ({max_iter}) was reached before the resume"
 
     def stalled(intermediate_result):
         seen.append(float(intermediate_result.fun))
@@ -104,11 +120,13 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
         if check < CHUNK and k >= CHUNK and k % check == 0 and seen[k] >= gain * seen[k - CHUNK]:
             raise StopIteration                       # scipy ends the run there, with its current point
 
+    first = done % CHUNK                              # a resumed fit first ends the chunk that was cut
     while iters < max_iter:
-        start = L1
+        start = seen[iters - first] if first else L1
         sol = minimize(fun, theta, jac=True, method="L-BFGS-B", callback=stalled,
-                       options={"maxiter": min(CHUNK, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
+                       options={"maxiter": min(CHUNK - first, max_iter - iters), "maxfun": 2 * CHUNK, "maxcor": 30,
                                 "ftol": 0.0, "gtol": 0.0})
+        first = 0
         iters += int(sol.nit)
         del seen[iters + 1:]                          # the callback's count matches the iterations taken
         message = str(sol.message)

@@ -80,8 +80,8 @@ def _parts(p: dict, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum) -> tuple[F
 def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray, Y: np.ndarray, *,
                     max_iter: int = MAX_ITER, progress=None,
                     rng: np.random.Generator | None = None,
-                    scaled: bool = True, checkpoint=None,
-                    device: str | None = None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
+                    scaled: bool = True, checkpoint=None, device: str | None = None,
+                    history: list[float] | None = None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
     """The parts refitted to the one-token answers ``Y`` (k, d) of tokens ``X`` (k, d) (module docstring):
     ``(part, ln, vs, info)``. L-BFGS runs in coordinates scaled by the Gauss-Newton diagonal
     (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
@@ -89,8 +89,9 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     gained less than 10% rms, tested every ``lbfgs.CHECK`` = 100 iterations. ``info`` has the rms residual before and
     after (relative to the answers' rms), the iterations, and ``fitted``. Raises :class:`ConvergenceError`
     when L-BFGS stops on an error other than convergence or the iteration cap with the fit no better than its start.
-    ``checkpoint(calls, (part, ln, vs))``, if given, gets the parts at the current parameters every
-    ``CHECKPOINT_EVERY`` evaluations (:mod:`.resume`: a refit cut short goes on from them). ``device``: a torch
+    ``checkpoint(calls, (part, ln, vs), history)``, if given, gets the parts at the current parameters and the
+    loss after every iteration so far every ``CHECKPOINT_EVERY`` evaluations (:mod:`.resume`: a refit cut
+    short goes on from them, ``history`` given back: :func:`.lbfgs.minimize_in_chunks`). ``device``: a torch
     device for the loss and its gradient (:mod:`.torch_losses`; None: numpy)."""
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
@@ -110,6 +111,7 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     rng = np.random.default_rng(0) if rng is None else rng
     scale = diagonal_scale(lambda: evaluate(theta0, signs(rng, Y.shape))[1] - G0) if scaled else None
     calls = [0]
+    seen = [] if history is None else [float(v) for v in history]
 
     def fun(th):
         calls[0] += 1
@@ -117,10 +119,12 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], np.sqrt(2 * L / Y.size) / rms)
         if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:
-            checkpoint(calls[0], _parts(unpack(th, shapes(d, f)), part, ln, vs))
+            checkpoint(calls[0], _parts(unpack(th, shapes(d, f)), part, ln, vs), list(seen))
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter, scale=scale, check=CHECK)
+    theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter, scale=scale, check=CHECK,
+                                                   history=seen)
+    L0 = seen[0]                                       # the fit's own start (before a resume, if any)
     before = float(np.sqrt(2 * L0 / Y.size) / rms)
     after = float(np.sqrt(2 * L1 / Y.size) / rms)
     if not np.isfinite(L1) or L1 >= L0:
@@ -156,7 +160,7 @@ def random_answers(oracle, rng: np.random.Generator, *, scale: float, ffn: int) 
 
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
                       scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True, start=None,
-                      checkpoint=None, device: str | None = None):
+                      checkpoint=None, device: str | None = None, history: list[float] | None = None):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
     ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
@@ -164,13 +168,13 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
     small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
     random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s).
     ``start``: ``(part, ln, vs)`` to refit from instead of the given parts (a refit cut short,
-    :mod:`.resume`); ``checkpoint``, ``device``: :func:`refit_one_token`'s."""
+    :mod:`.resume`) with ``history``, the cut fit's losses; ``checkpoint``, ``device``: :func:`refit_one_token`'s."""
     Xr, Yr = random_answers(oracle, rng, scale=scale, ffn=part.W1m.shape[0])
     k = len(Xr)
     part, ln, vs = (part, ln, vs) if start is None else start
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
                                                      max_iter=max_iter, scaled=scaled, checkpoint=checkpoint,
-                                                     device=device)
+                                                     device=device, history=history)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 

@@ -9,8 +9,10 @@ after the last stage it holds; its queries are the ones an uninterrupted run ask
 already journaled are replayed, not paid), and its result is the uninterrupted run's, except where a refit
 (the one-token refit F+ or the block refit R) was cut between two of its checkpoints (every ``EVERY`` = 60
 seconds, or ``HEADTHIEF_CHECKPOINT_SECONDS``): it then goes on from the parameters it had reached, with its
-L-BFGS memory and scaling drawn afresh (``resumed_from`` in the run's figures says after which stage,
-``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from which evaluation).
+L-BFGS memory and scaling drawn afresh, but its losses so far kept (``*_history``), so its iteration cap and
+its stopping rule's window count the iterations before the cut (``resumed_from`` in the run's figures says
+after which stage, ``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from
+which evaluation).
 The block method's stages: ``V`` (stages L, activation and V), ``F-span`` (stage F's algebra, before F+),
 ``F+partial``, ``F``, ``A``, ``R-partial``, ``R``; ``--method encoder``'s: ``E``, ``block 0``, ``block 1``, ...
 """
