@@ -112,6 +112,8 @@ def main(argv=None) -> int:
           f"fidelity {row['fidelity_max_rel_err']:.3g} (uninterrupted {whole['fidelity_max_rel_err']:.3g}); "
           f"model check {row['model_check']['verdict']}")
     print("parts: " + ", ".join(f"{k[:-8]} {row[k]:.2e} ({whole[k]:.2e})" for k in PARTS if k in row))
+    print("refit iterations (the whole fit's, across resumes): " + ", ".join(
+        f"{k[:-11]} {row.get(k)} ({whole.get(k)})" for k in ("one_token_refit_iterations", "block_refit_iterations")))
     return 0 if row["model_check"]["verdict"] == "pass" else 1
 
 
