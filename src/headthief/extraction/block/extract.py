@@ -419,8 +419,13 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # stage F from full Jacobians, or from probe Jacobians where those need a quarter of the queries or
             # fewer
             route = extract_ffn_probes if probes else extract_ffn
-            describe("stage F (LN1, the FFN's span and neurons)")
-            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f), "f_start": f_start}
+            name = "stage F (LN1, the FFN's span and neurons)"
+            describe(name)
+
+            def span_progress(step, res):         # the span's steps (hours at MiniLM's size), then the neurons
+                describe(f"{name}, span step {step}, fixed-point residual {res:.2e}")
+            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress),
+                  "f_start": f_start}
             if coarse:
                 ck.save("F-span", {**st, "stages": stages, "seconds": seconds})
         else:                                     # stage F's queries so far, counted as if asked in this run
