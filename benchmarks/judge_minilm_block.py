@@ -87,13 +87,18 @@ def layer_fidelity(layer, inputs: list, outputs: list) -> float:
     return worst / np.sqrt(sq / count)
 
 
+def check_shape(block: BertBlock, truth: BertBlock, path, layer: int) -> None:
+    """Refuse (SystemExit, naming both) a block of another width, head count or FFN width than MiniLM's."""
+    if (block.d, block.heads, block.ffn) != (truth.d, truth.heads, truth.ffn):
+        raise SystemExit(f"{path}: d = {block.d}, {block.heads} heads, FFN {block.ffn}; MiniLM block {layer} has "
+                         f"d = {truth.d}, {truth.heads} heads, FFN {truth.ffn}")
+
+
 def judge(path, layer: int, sentences: tuple[list, list], image: list) -> dict:
     """The figures of the block in ``path`` (module docstring)."""
     block, tensors = read_block(path)
     truth = from_minilm(layer, dtype=np.float64)
-    if (block.d, block.heads, block.ffn) != (truth.d, truth.heads, truth.ffn):
-        raise SystemExit(f"{path}: d = {block.d}, {block.heads} heads, FFN {block.ffn}; MiniLM block {layer} has "
-                         f"d = {truth.d}, {truth.heads} heads, FFN {truth.ffn}")
+    check_shape(block, truth, path, layer)
     ln, vs, part, att = parts_from_block(block)
     errs = block_errors(SimpleNamespace(ln=ln, value=vs, ffn=part, attention=att), truth)
     oracle = ModelOracle(from_minilm(layer, dtype=np.float32))      # what minilm-block:layer=L answers
@@ -129,8 +134,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.block is None and not args.truth and not args.perturb:
         ap.error("give --block FILE, --truth or --perturb REL ...")
-    if args.block is not None and not args.block.is_file():
-        ap.error(f"--block {args.block}: no such file")
+    if args.block is not None:
+        if not args.block.is_file():
+            ap.error(f"--block {args.block}: no such file")
+        check_shape(read_block(args.block)[0], from_minilm(args.layer, dtype=np.float64), args.block, args.layer)
     from headthief.targets.sentences import hidden_states_of_sentences, load_sentences
     t0 = time.perf_counter()
     sentences = load_sentences()[:args.limit]
