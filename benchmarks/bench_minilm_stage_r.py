@@ -55,10 +55,16 @@ def fidelity(block, oracle, rng, d: int, n: int = 64) -> float:
 
 def fidelity_on(block, oracle, sequences) -> float:
     """The largest error over every position of ``sequences`` (each (T, d)), relative to the answers' rms."""
+    return worst_over_rms((block.forward(X[None]), oracle.query(X[None])) for X in sequences)
+
+
+def worst_over_rms(pairs) -> float:
+    """The largest |prediction - answer| over every number of the (prediction, answer) pairs, over the answers'
+    rms."""
     worst, sq, count = 0.0, 0.0, 0
-    for X in sequences:
-        Y = np.asarray(oracle.query(X[None]))
-        worst = max(worst, float(np.max(np.abs(np.asarray(block.forward(X[None])) - Y))))
+    for y, Y in pairs:
+        y, Y = np.asarray(y), np.asarray(Y)
+        worst = max(worst, float(np.max(np.abs(y - Y))))
         sq, count = sq + float(np.sum(Y * Y)), count + Y.size
     return worst / np.sqrt(sq / count)
 

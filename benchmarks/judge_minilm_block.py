@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from bench_minilm_stage_r import PARTS, fidelity_on, layernorm_image
+from bench_minilm_stage_r import PARTS, fidelity_on, layernorm_image, worst_over_rms
 from headthief.extraction.block.extract import SAVE_FORMAT, block_errors, parts_from_block
 from headthief.models.bert_block import BertBlock, from_minilm
 from headthief.models.bert_export import read_safetensors, write_safetensors
@@ -77,14 +77,12 @@ def bert_layer(tensors: dict, heads: int, ffn: int):
 def layer_fidelity(layer, inputs: list, outputs: list) -> float:
     """Largest |BertLayer(x) - y| over every number of ``inputs`` / ``outputs`` (each (T, d)), over the rms."""
     import torch
-    worst, sq, count = 0.0, 0.0, 0
+
+    def run(X):
+        out = layer(torch.from_numpy(np.asarray(X, np.float64))[None])
+        return (out[0] if isinstance(out, tuple) else out)[0].numpy()
     with torch.no_grad():
-        for X, Y in zip(inputs, outputs):
-            out = layer(torch.from_numpy(np.asarray(X, np.float64))[None])
-            y = (out[0] if isinstance(out, tuple) else out)[0].numpy()
-            worst = max(worst, float(np.max(np.abs(y - Y))))
-            sq, count = sq + float(np.sum(np.asarray(Y) ** 2)), count + np.asarray(Y).size
-    return worst / np.sqrt(sq / count)
+        return worst_over_rms((run(X), Y) for X, Y in zip(inputs, outputs))
 
 
 def check_shape(block: BertBlock, truth: BertBlock, path, layer: int) -> None:
