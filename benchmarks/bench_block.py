@@ -5,9 +5,13 @@
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 900 920
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 7000 7020 --dtype float32
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 8000 8020 --stage-f probes
+    python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --dtype float32   # --activation
+    python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --assume gelu     # must refuse
 
 Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
 the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
+``--act A`` gives the blocks another smooth activation (``bert-block:...,act=A``) and the method assumes it
+(``--activation A``); with ``--assume B`` (another) it counts the seeds refused with exit 5 instead.
 """
 
 from __future__ import annotations
@@ -34,25 +38,36 @@ def main() -> None:
                          "(default 1e-8 for float64 answers, 1e-4 for float32: the MiniLM line's level)")
     ap.add_argument("--stage-f", dest="stage_f", default="auto", choices=("auto", "full", "probes"),
                     help="stage F's route (headthief extract --stage-f)")
+    ap.add_argument("--act", default="gelu", help="the blocks' FFN activation (bert-block:act=...)")
+    ap.add_argument("--assume", default=None,
+                    help="the activation the method assumes (headthief extract --activation; default: --act)")
     args = ap.parse_args()
+    assume = args.assume or args.act
+    refusal = assume != args.act
     within = args.within if args.within is not None else (1e-8 if args.dtype == "float64" else 1e-4)
     print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit")
     ok = 0
     seeds = range(*args.seeds)
     for seed in seeds:
         spec = f"bert-block:d={args.d},heads={args.heads},ffn={args.ffn},seed={seed}" + (
-            f",dtype={args.dtype}" if args.dtype != "float64" else "")
+            f",dtype={args.dtype}" if args.dtype != "float64" else "") + (
+            f",act={args.act}" if args.act != "gelu" else "")
         t = time.perf_counter()
-        rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f)
+        rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f, activation=assume)
         r = rep.row
         errs = [r.get(k) for k in PARTS]
         fid = r.get("fidelity_max_rel_err")
         good = rep.exit_code == 0 and all(e is not None and e <= within for e in errs) and (
             args.dtype == "float64" or (fid is not None and fid <= within))
+        if refusal:
+            good = rep.exit_code == 5
         ok += good
         cells = " ".join(f"{e:8.1e}" if e is not None else "       -" for e in errs)
         print(f"{seed:4d} {cells}  {fid if fid is None else f'{fid:8.1e}'} {r.get('queries', r.get('queries_sent', 0)):8d} "
               f"{time.perf_counter() - t:7.1f}  {rep.exit_code}" + (f"  {rep.error}" if rep.error else ""), flush=True)
+    if refusal:
+        print(f"{args.act} blocks with {assume} assumed, refused with exit 5: {ok}/{len(seeds)}")
+        return
     print(f"every part within {within:g}" + ("" if args.dtype == "float64" else " and the fidelity too")
           + f": {ok}/{len(seeds)}")
 

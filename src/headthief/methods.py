@@ -401,11 +401,13 @@ def _run_block(oracle, target, args, progress, clean=None):
         kw = check_kw(args)
         return extract_block_on_image(oracle, LayerNormImage(np.array(image["gamma"]), np.array(image["beta"])),
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
-                                      verify=kw["verify"], check=kw["check"], progress=progress)
+                                      verify=kw["verify"], check=kw["check"], progress=progress,
+                                      activation=getattr(args, "activation", "gelu"))
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
                          max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),
-                         refit_device=getattr(args, "refit_device", None))
+                         refit_device=getattr(args, "refit_device", None),
+                         activation=getattr(args, "activation", "gelu"))
 
 
 def _expected_block(target, args):

@@ -86,6 +86,7 @@ class Options:
     stage_f: str = "auto"
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
+    activation: str = "gelu"          # block: the FFN's activation (models.activations.SMOOTH)
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -131,7 +132,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
     "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
-    "refit_device": {"block"},
+    "refit_device": {"block"}, "activation": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -279,6 +280,10 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--verify-len must be >= 1, got {opts.verify_len}")
     if opts.stage_f not in ("auto", "full", "probes"):
         raise SpecError(f"--stage-f must be auto, full or probes, got {opts.stage_f!r}")
+    if opts.activation != "gelu":
+        from .models.activations import SMOOTH
+        if opts.activation not in SMOOTH:
+            raise SpecError(f"--activation must be one of {', '.join(SMOOTH)}, got {opts.activation!r}")
     if not opts.max_tflop > 0:                 # NaN too
         raise SpecError(f"--max-tflop must be > 0, got {opts.max_tflop}")
     if opts.refit_device not in (None, "numpy"):
@@ -420,7 +425,8 @@ def _comparable(res, truth) -> bool:
     if isinstance(res, VectorExtraction):
         return isinstance(truth, CanonicalLayer)
     if isinstance(res, (BlockExtraction, BlockParts)):
-        return isinstance(truth, BertBlock) and truth.activation == "gelu"
+        # the FFN's activation is part of the class: the one the method assumed (--activation), GELU by default
+        return isinstance(truth, BertBlock) and truth.activation == res.diagnostics.get("activation", "gelu")
     from .extraction.block.encoder import EncoderExtraction
     from .extraction.block.encoder_parts import EncoderParts
     if isinstance(res, (EncoderExtraction, EncoderParts)):
@@ -633,6 +639,8 @@ def fingerprint(opts: Options) -> dict:
             fp[k] = getattr(opts, k)
     if opts.stage_f != "auto":              # likewise
         fp["stage_f"] = opts.stage_f
+    if opts.activation != "gelu":           # likewise (stage F's checkpoints hold neurons fitted with it)
+        fp["activation"] = opts.activation
     # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
     # every position's answer a declaration is either what stage A detects or refused there)
     return fp

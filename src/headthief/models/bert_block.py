@@ -43,26 +43,12 @@ import numpy as np
 
 from ..errors import InvalidQuery
 from ..oracles.answers import Output
+from .activations import SMOOTH, activation, gelu, gelu_prime
 from .mha import AttentionLayer, evaluate_by_length, read_only
 
 BERT_EPS = 1e-12
-ACTIVATIONS = ("gelu", "relu", "gelu_tanh")
+ACTIVATIONS = (*SMOOTH, "relu")      # relu: a deliberately wrong block (kinks), for the checks
 INITS = ("trained", "bert")     # random_block: a trained block's scales, or BertModel's own init
-
-
-def gelu(s: np.ndarray) -> np.ndarray:
-    """Exact GELU ``s * Phi(s)`` (erf form, BERT's ``"gelu"``), evaluated in ``s``'s dtype."""
-    from scipy.special import erf
-    s = np.asarray(s)
-    dt = s.dtype.type
-    return s * (dt(0.5) * (dt(1.0) + erf(s * dt(1.0 / np.sqrt(2.0)))))
-
-
-def gelu_prime(s: np.ndarray) -> np.ndarray:
-    """GELU's derivative ``Phi(s) + s phi(s)`` (float64)."""
-    from scipy.special import erf
-    s = np.asarray(s, dtype=np.float64)
-    return 0.5 * (1.0 + erf(s / np.sqrt(2.0))) + s * np.exp(-0.5 * s * s) / np.sqrt(2.0 * np.pi)
 
 
 def layer_norm(u: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = BERT_EPS) -> np.ndarray:
@@ -73,20 +59,10 @@ def layer_norm(u: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 
     return c * (dt(1.0) / np.sqrt(var + dt(eps))) * gamma + beta
 
 
-def gelu_tanh(s: np.ndarray) -> np.ndarray:
-    """GELU's tanh approximation (transformers' ``"gelu_new"`` / ``"gelu_pytorch_tanh"``, GPT-2's), in
-    ``s``'s dtype: within ~3e-4 of :func:`gelu`, another activation all the same."""
-    s = np.asarray(s)
-    dt = s.dtype.type
-    return dt(0.5) * s * (dt(1.0) + np.tanh(dt(np.sqrt(2.0 / np.pi)) * (s + dt(0.044715) * s * s * s)))
-
-
 def _activation(name: str, s: np.ndarray) -> np.ndarray:
-    if name == "gelu":
-        return gelu(s)
-    if name == "gelu_tanh":
-        return gelu_tanh(s)
-    return np.maximum(s, s.dtype.type(0.0))
+    if name == "relu":
+        return np.maximum(s, s.dtype.type(0.0))
+    return activation(name).f(s)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,8 +71,9 @@ class BertBlock:
     (ffn, d), ``W2`` is (d, ffn). ``attention`` answers at every position (``output="all"``); the
     block's own ``output`` is ``all`` (a d-vector at every position) or ``last``.
 
-    ``activation="relu"`` or ``"gelu_tanh"`` (GELU's tanh approximation) replaces BERT's exact GELU (a
-    deliberately wrong block, for testing a method's checks)."""
+    ``activation``: BERT's exact ``"gelu"``, another smooth one of :mod:`.activations` (``"gelu_tanh"``,
+    ``"silu"``, ``"quick_gelu"``: blocks of other encoders, extracted with ``--activation``; wrong blocks for
+    a method that assumes GELU), or ``"relu"`` (a deliberately wrong block with kinks, for the checks)."""
 
     attention: AttentionLayer
     ln1_gamma: np.ndarray

@@ -1,10 +1,12 @@
 """Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
 
-* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu|gelu_tanh][,inputs=image][,init=bert]``
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A][,inputs=image][,init=bert]``
   — a seeded random post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless
   ``dtype=float32``;
-  ``act=relu`` puts ReLU where BERT has GELU, ``act=gelu_tanh`` GELU's tanh approximation (GPT-2's,
-  transformers' ``gelu_new``): wrong blocks, for testing a method's model check;
+  ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check);
+  ``act=gelu_tanh`` (GELU's tanh approximation: GPT-2's, transformers' ``gelu_new``), ``silu`` or
+  ``quick_gelu``: another smooth activation (:mod:`headthief.models.activations`), extracted with
+  ``--activation`` and refused without it;
   ``inputs=image``: the block as it sits inside an encoder, answering only tokens on a previous LayerNorm's
   image (gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2) drawn from the seed; any other token is refused) and
   publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them; ``init=bert``:
@@ -58,8 +60,8 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
         raise SpecError(f"dtype={dtype!r}: use float64 or float32")
     act = opts.get("act", "gelu")
     if act not in ACTIVATIONS:
-        raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or relu or gelu_tanh (blocks that are not "
-                        "BERT's)")
+        raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or one of {', '.join(ACTIVATIONS[1:])} "
+                        "(blocks that are not BERT's)")
     if d % H:
         raise SpecError(f"{spec}: heads={H} does not divide d={d} (BERT's head dimension is d / heads)")
     inputs = opts.get("inputs", "free")
@@ -216,12 +218,14 @@ def hf_bert_layer(block, *, dtype=None):
     torch = import_torch()
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
-    if block.activation != "gelu":
-        raise ValueError(f"BertLayer's activation here is gelu; this block has {block.activation}")
+    from ..models.activations import SMOOTH
+    if block.activation not in SMOOTH:
+        raise ValueError(f"BertLayer takes a smooth activation here ({', '.join(SMOOTH)}); this block has "
+                         f"{block.activation}")
     if dtype is None:
         dtype = torch.float32 if block.dtype is np.float32 else torch.float64
     cfg = BertConfig(hidden_size=block.d, num_attention_heads=block.heads, intermediate_size=block.ffn,
-                     hidden_act="gelu", layer_norm_eps=block.eps, hidden_dropout_prob=0.0,
+                     hidden_act=SMOOTH[block.activation].hf, layer_norm_eps=block.eps, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0)
     cfg._attn_implementation = "eager"
     module = BertLayer(cfg).eval().to(dtype)         # in dtype first: loading copies into the module's own dtype
@@ -230,13 +234,13 @@ def hf_bert_layer(block, *, dtype=None):
     return module
 
 
-register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=relu|gelu_tanh]"
+register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A]"
                                   "[,inputs=image][,init=bert]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
-                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu / gelu_tanh: "
-                    "ReLU / GELU's tanh approximation where BERT has exact GELU; inputs=image: only tokens on a "
-                    "previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, weights "
-                    "N(0, 0.02^2), biases 0)", _build_bert_block))
+                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where BERT "
+                    "has GELU; act=gelu_tanh / silu / quick_gelu: another smooth activation; inputs=image: only "
+                    "tokens on a previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, "
+                    "weights N(0, 0.02^2), biases 0)", _build_bert_block))
 def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 

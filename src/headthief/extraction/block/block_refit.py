@@ -53,8 +53,9 @@ def gauged(block):
                                b1=block.b1 + block.W1 @ block.ln1_beta, b2=block.b2 + block.ln1_beta)
 
 
-def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
-    """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads."""
+def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu") -> float:
+    """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads.
+    ``activation``: the FFN's (:mod:`headthief.models.activations`; GELU's arrays are reused in place)."""
     from scipy.special import erf
     H, dh, d = p["Q"].shape
     N, T = X.shape[:2]
@@ -84,16 +85,21 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     n1, r1 = normalize(Xf + zc @ p["Wo"].T + p["bo"])
     zz = n1 * p["g1"]
     s = zz @ p["W1"].T + p["b1"]
-    Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
-    g = s * Phi
+    if activation == "gelu":
+        Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
+        g = s * Phi
+    else:
+        from ...models.activations import value_and_prime
+        g, Phi = value_and_prime(activation, s)                             # Phi: f'(s)
     n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"])
     res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
     L = 0.5 * float(np.sum(res * res))
     grads["g2"] += np.sum(res * n2, axis=0)
     grads["be2"] += res.sum(axis=0)
     du = normalize_back(res * p["g2"], n2, r2)
-    s *= np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi))                # s is not needed past here
-    Phi += s                                                                  # GELU'(s)
+    if activation == "gelu":
+        s *= np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi))            # s is not needed past here
+        Phi += s                                                              # GELU'(s)
     ds = (du @ p["W2"]) * Phi
     grads["W2"] += du.T @ g
     grads["b2"] += du.sum(axis=0)
@@ -120,12 +126,13 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict) -> float:
     return L
 
 
-def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None) -> tuple[float, np.ndarray]:
+def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None,
+                  activation: str = "gelu") -> tuple[float, np.ndarray]:
     """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient with
-    respect to the parameters in ``shapes`` (``fixed``: the others' values)."""
+    respect to the parameters in ``shapes`` (``fixed``: the others' values; ``activation``: the FFN's)."""
     p = {**(fixed or {}), **unpack(theta, shapes)}
     grads = {k: np.zeros(np.shape(p[k])) for k in NAMES}
-    L = sum(_group_loss(p, X, Y, grads) for X, Y in groups)
+    L = sum(_group_loss(p, X, Y, grads, activation) for X, Y in groups)
     return L, pack(grads, shapes)
 
 
@@ -163,10 +170,10 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     if device is None:
         def evaluate(th, shift=None):
             moved = groups if shift is None else [(X, Y - w) for (X, Y), w in zip(groups, shift)]
-            return loss_and_grad(th, shapes, moved, fixed)
+            return loss_and_grad(th, shapes, moved, fixed, block.activation)
     else:
         from .torch_losses import BlockLoss
-        evaluate = BlockLoss(shapes, groups, fixed, device)
+        evaluate = BlockLoss(shapes, groups, fixed, device, activation=block.activation)
     L0, G0 = evaluate(theta)
     rng = np.random.default_rng(0) if rng is None else rng
     scale = (diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0)

@@ -58,6 +58,21 @@ from .arithmetic import MAX_TFLOP, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
+
+
+def model_of(activation: str) -> str:
+    """The model class the block method assumed: :data:`MODEL`, its FFN's activation named where not GELU."""
+    return MODEL if activation == "gelu" else MODEL.replace("GELU FFN", f"{activation} FFN")
+
+
+def activation_named(name: str) -> str:
+    """``name`` if it is a smooth activation of :mod:`headthief.models.activations`, else a :class:`SpecError`."""
+    from ...models.activations import activation
+    try:
+        activation(name)
+    except ValueError as e:
+        raise SpecError(f"--activation: {e}") from None
+    return name
 SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
 CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
 RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above F+'s in-sample rms...
@@ -115,8 +130,11 @@ class BlockExtraction:
         tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.block.state_dict().items()}
         if p.endswith(".safetensors"):
             from ...models.bert_export import writable_path, write_safetensors
+            from ...models.activations import activation
             write_safetensors(tensors, writable_path(p), {"format": SAVE_FORMAT, "heads": str(self.heads),
-                                                          "ffn": str(self.block.ffn)}, None)
+                                                          "ffn": str(self.block.ffn),
+                                                          "activation": self.block.activation,
+                                                          "hidden_act": activation(self.block.activation).hf}, None)
             return
         np.savez(p, **{k.replace(".", "/"): v for k, v in tensors.items()})
 
@@ -177,7 +195,7 @@ def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
                            output="all")
     return BertBlock(attention=layer, ln1_gamma=ffn.gamma, ln1_beta=np.zeros(d), W1=ffn.W1m / ffn.gamma[None, :],
                      b1=ffn.b1m, W2=ffn.W2, b2=ffn.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
-                     info={"recovered": True})
+                     activation=ffn.activation, info={"recovered": True})
 
 
 def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
@@ -209,7 +227,8 @@ def parts_from_block(block) -> tuple[OutputLayerNorm, ValueSum, FFNPart, Heads]:
     ln = OutputLayerNorm(gamma=np.ones(d), beta=np.zeros(d), plane_residual=0.0, sphere_residual=0.0, answers=0)
     vs = ValueSum(B=np.eye(d), b=np.zeros(d), Binv=np.eye(d), c0=np.zeros(d), c1=np.ones(d) / np.sqrt(d),
                   residual=0.0, conditioning=1.0, expected=0.0, step=0.0, queries=0)
-    part = FFNPart(gamma=np.ones(d), c=np.zeros(d), W1m=np.zeros((f, d)), b1m=np.zeros(f), W2=np.zeros((d, f)))
+    part = FFNPart(gamma=np.ones(d), c=np.zeros(d), W1m=np.zeros((f, d)), b1m=np.zeros(f), W2=np.zeros((d, f)),
+                   activation=block.activation)
     att = Heads(O=np.zeros((H, d, d)), W=np.zeros((H, d, d)), c=np.zeros((H, d)))
     return parts_of(block, ln, vs, part, att)
 
@@ -319,15 +338,18 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
                   stage_f: str = "auto", max_tflop: float = MAX_TFLOP,
-                  refit_device: str | None = None) -> BlockExtraction:
+                  refit_device: str | None = None, activation: str = "gelu") -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences
-    (:func:`_extract_block`). A refusal of the model class (:class:`ModelMismatch`) first asks one random
-    sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): a target whose answers
-    are not a function of its input (dropout left on) is refused as that, not as the stage's wrong class."""
+    (:func:`_extract_block`). ``activation``: the FFN's assumed activation (:mod:`headthief.models.activations`:
+    BERT's exact ``gelu`` by default, or ``gelu_tanh``, ``silu``, ``quick_gelu``); a block whose answers
+    another explains is refused by the stages' checks, as a ReLU block is. A refusal of the model class
+    (:class:`ModelMismatch`) first asks one random sequence three times
+    (:func:`~headthief.extraction.precision.refuse_if_random`): a target whose answers are not a function of
+    its input (dropout left on) is refused as that, not as the stage's wrong class."""
     try:
         return _extract_block(oracle, heads=heads, ffn=ffn, rng=rng, check=check, verify=verify,
                               check_rng=check_rng, progress=progress, stage_f=stage_f, max_tflop=max_tflop,
-                              refit_device=refit_device)
+                              refit_device=refit_device, activation=activation)
     except ModelMismatch as e:
         refuse_if_random(oracle, e, what="The block method")
         raise
@@ -335,7 +357,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 
 def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.random.Generator | int,
                    check: bool, verify: int, check_rng, progress, stage_f: str, max_tflop: float,
-                   refit_device: str | None) -> BlockExtraction:
+                   refit_device: str | None, activation: str = "gelu") -> BlockExtraction:
     """:func:`extract_block`'s stages L, activation, V, F, A and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
@@ -355,6 +377,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
     probes = _probes(d, int(ffn), stage_f)
     device = check_device(refit_device)           # before the first query
+    act = activation_named(activation)
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
@@ -406,7 +429,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     plan = planned(d, int(ffn), probes=probes, coarse=eps > COARSE)
     if over_limit(plan, max_tflop):
         raise _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0,
-                               _stage_figures(stages, seconds, ratio, ln, vs), kind, ck.spent())
+                               {**_stage_figures(stages, seconds, ratio, ln, vs), "activation": act}, kind,
+                               ck.spent())
     # stage F's steps and its one-token threshold (100 x eps^0.8 sqrt(d)) were validated at a floor of 1e-15
     # (20/20 seeds, docs/block.md); at float64's own 1.1e-16 the threshold sits at the figures it passes
     # (fidelity 7.3e-11 against 6.9e-11 on seed 1008, a correct block)
@@ -424,7 +448,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
 
             def span_progress(step, res):         # the span's steps (hours at MiniLM's size), then the neurons
                 describe(f"{name}, span step {step}, fixed-point residual {res:.2e}")
-            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress),
+            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
+                                      activation=act),
                   "f_start": f_start}
             if coarse:
                 ck.save("F-span", {**st, "stages": stages, "seconds": seconds})
@@ -530,7 +555,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = ck.spent()
-    diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
+    diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps, "activation": act,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
@@ -547,7 +572,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     res = BlockExtraction(block=block, ln=ln, value=vs, ffn=part, attention=att, queries=spent,
                           seconds=time.perf_counter() - t0, diagnostics=diag)
     if not check:
-        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+        return dataclasses.replace(res, check=ModelCheck("unchecked", model_of(act),
+                                                         detail="the model check was skipped"))
     return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
 
 
@@ -605,6 +631,7 @@ FIT_NOISE = 10         # coarse answers: the block refit's rms may be this much 
 
 
 def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, n: int, seed) -> ModelCheck:
+    model = model_of(res.block.activation)
     # coarse answers: stage A's residual is that of a start the block refit replaced; the parts' precision is
     # then the refitted one-token map's fidelity on fresh queries and the answers' own (never the refit's own
     # residual, which a block of the wrong head count would inflate along with the threshold)
@@ -622,7 +649,7 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
         try:
             noise, sigma, nq = _fit_noise(oracle, seed, float(res.diagnostics["token_norm"]))
         except BudgetExceeded as e:
-            return ModelCheck("unchecked", MODEL, oracle.output.describe(oracle.d_out),
+            return ModelCheck("unchecked", model, oracle.output.describe(oracle.d_out),
                               detail=f"the query budget ran out before the check ({e})")
         noise = max(noise, 0.5 * 2.0 ** -24)
         fit = float(res.diagnostics["block_refit_rms_after"])
@@ -636,22 +663,25 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
                       "" if insample <= CHECK_FACTOR * parts else
                       f"; the error on stage L's answers is itself above {CHECK_FACTOR}x the parts'"))
         ok = f.max_rel_err <= threshold and insample <= CHECK_FACTOR * parts
-        message = f"the target does not behave like {MODEL}: {detail}"
+        message = f"the target does not behave like {model}: {detail}"
         if fit is not None:
             fits = fit <= FIT_NOISE * noise
             detail += (f"; the block refit's rms {fit:.3g} is {fit / noise:.2g}x the answers' own noise {noise:.3g} "
                        f"(measured on {NOISE_SEGMENTS} short segments, {nq} queries; at most {FIT_NOISE}x)")
             if not fits:
-                message = (f"the target does not behave like {MODEL} of this shape: the block refit fits the "
+                from ...models.activations import SMOOTH
+                other = "another activation (--activation: " + ", ".join(
+                    a for a in SMOOTH if a != res.block.activation) + ")"
+                message = (f"the target does not behave like {model} of this shape: the block refit fits the "
                            f"answers only to rms {fit:.3g}, {fit / noise:.3g}x their own noise {noise:.3g} (at most "
-                           f"{FIT_NOISE}x); another activation (such as tanh-approximated GELU) or another width "
-                           "fits no better, and neither does a refit stopped short of the answers' floor (it "
-                           f"stopped: {res.diagnostics.get('block_refit_message')}). Fidelity {f.max_rel_err:.3g} "
+                           f"{FIT_NOISE}x); {other} or another width fits no better, and neither does a refit "
+                           "stopped short of the answers' floor (it stopped: "
+                           f"{res.diagnostics.get('block_refit_message')}). Fidelity {f.max_rel_err:.3g} "
                            "on fresh sequences")
             ok = ok and fits
         return ok, threshold, detail, message
 
-    return fresh_verdict(res, oracle, model=MODEL, n=n, seed=seed, judge=judge, noise=sigma,
+    return fresh_verdict(res, oracle, model=model, n=n, seed=seed, judge=judge, noise=sigma,
                          noise_queries=nq)
 
 

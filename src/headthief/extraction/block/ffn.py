@@ -19,7 +19,8 @@ a nuisance ``n a^T + e m^T`` and a scale. Steps:
    random starts) are the neurons; its one diagonal element ``P diag(gamma) P`` (a null space) is gamma_1 up
    to the block's global scale (the canonical choice: ``|gamma| = sqrt(d)``, ``sum(gamma) > 0``);
 4. ``profiles``: each point's lifted K_t in that basis gives ``GELU'(alpha_k (v_k . m_t) + b_k) / lambda_k``
-   for every neuron: a three-parameter least-squares fit per neuron (alpha_k, b_k, lambda_k);
+   for every neuron: a three-parameter least-squares fit per neuron (alpha_k, b_k, lambda_k). GELU stands
+   for the activation assumed (``activation``: :mod:`headthief.models.activations`), whose ``f'`` is fitted;
 5. the linear remainder ``c`` (and each point's scale) by least squares on the answers themselves.
 
 Exact algebra except step 2 (an iteration, converging linearly, then a quasi-Newton polish if needed) and
@@ -42,10 +43,11 @@ from .value_sum import COARSE, ValueSum, mean_zero_basis, stencil_derivative, st
 
 @dataclass(frozen=True)
 class FFNPart:
-    """LN1 and the FFN in a canonical form: ``u(m) = gamma * m + c + W2 @ gelu(W1m @ m + b1m)`` on LN1's
+    """LN1 and the FFN in a canonical form: ``u(m) = gamma * m + c + W2 @ f(W1m @ m + b1m)`` on LN1's
     normalised outputs m. Against a block's truth, with s its global scale (``gamma = s gamma_1``):
     ``W1m = W_1 Gamma_1 P``, ``b1m = W_1 beta_1 + b_1``, ``P W2 = s P W_2``, ``c = s P (beta_1 + b_2)``
-    (P removes the ones-component; neurons in any order). ``info`` says what was iterated or fitted."""
+    (P removes the ones-component; neurons in any order). ``info`` says what was iterated or fitted;
+    ``activation`` names f (:mod:`headthief.models.activations`, BERT's exact GELU by default)."""
 
     gamma: np.ndarray
     c: np.ndarray
@@ -53,11 +55,12 @@ class FFNPart:
     b1m: np.ndarray
     W2: np.ndarray
     info: dict = field(default_factory=dict)
+    activation: str = "gelu"
 
     def u(self, m: np.ndarray) -> np.ndarray:
-        from ...models.bert_block import gelu
+        from ...models.activations import activation
         m = np.asarray(m, dtype=np.float64)
-        return m * self.gamma + self.c + gelu(m @ self.W1m.T + self.b1m) @ self.W2.T
+        return m * self.gamma + self.c + activation(self.activation).f(m @ self.W1m.T + self.b1m) @ self.W2.T
 
     def n(self, m: np.ndarray) -> np.ndarray:
         u = self.u(m)
@@ -550,11 +553,14 @@ SCOUT_NFEV = 25           # evaluations for each start of a neuron's profile fit
 POLISH_NFEV = 500         # ... and for the polish of the best (2,000 with numerical Jacobians)
 
 
-def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8) -> tuple[float, float, float, float]:
-    """rho = kappa GELU'(alpha xi + beta): (alpha, beta, kappa, relative rms residual). A grid over
+def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8,
+                 act: str = "gelu") -> tuple[float, float, float, float]:
+    """rho = kappa f'(alpha xi + beta), f the activation ``act`` (GELU, or another of
+    :mod:`headthief.models.activations`): (alpha, beta, kappa, relative rms residual). A grid over
     (alpha, beta) (kappa by least squares at each node), then Levenberg-Marquardt from the ``starts / 2`` best
     nodes of each sign of alpha; the best end point is kept (GELU' is not monotone: one start can end in a
-    local minimum, measured). Both signs: ``GELU'(-x) = 1 - GELU'(x)``, so over a narrow range of xi the wrong
+    local minimum, measured). Both signs: ``f'(-x) = 1 - f'(x)`` (every ``s g(s)`` gate with ``g(-s) = 1 - g(s)``:
+    GELU, its tanh form, SiLU), so over a narrow range of xi the wrong
     sign at another scale fits almost as well (measured: block 1 of the float32 encoder seed 662, a neuron
     read over xi in [-0.16, 1.87] only; the 8 best nodes all had alpha > 0, the fit ended at -3x the weight).
     Each start runs ``SCOUT_NFEV`` steps, the best end is then polished (a wrong-sign start crawls: 2,000
@@ -562,7 +568,9 @@ def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8) -> tuple[floa
     cost 4 evaluations a step; the Jacobian is now analytic)."""
     from scipy.optimize import least_squares
 
-    from ...models.bert_block import gelu_prime
+    from ...models.activations import activation
+    f = activation(act)
+    gelu_prime = f.prime
     nodes = []
     for a in np.concatenate([-np.geomspace(0.02, 50, 41), np.geomspace(0.02, 50, 41)]):
         F = gelu_prime(a * xi[None, :] + np.linspace(-6, 6, 49)[:, None])          # (betas, T)
@@ -576,9 +584,9 @@ def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8) -> tuple[floa
     def res(p):
         return p[2] * gelu_prime(p[0] * xi + p[1]) - rho
 
-    def jac(p):                                 # GELU''(s) = phi(s) (2 - s^2)
+    def jac(p):                                 # GELU''(s) = phi(s) (2 - s^2), and the others' f''
         s = p[0] * xi + p[1]
-        g2 = p[2] * np.exp(-0.5 * s * s) * (2.0 - s * s) / np.sqrt(2.0 * np.pi)
+        g2 = p[2] * f.second(s)
         return np.column_stack([g2 * xi, g2, gelu_prime(s)])
 
     half = -(-starts // 2)
@@ -610,11 +618,13 @@ def tolerances(precision: float, d: int) -> tuple[float, float]:
 
 def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
-                max_iter: int = 300, progress=None, reader=None, start: bool = False) -> FFNPart:
+                max_iter: int = 300, progress=None, reader=None, start: bool = False,
+                activation: str = "gelu") -> FFNPart:
     """Stage F (see the module docstring) for a block of FFN width ``ffn``. ``reader(rng, T)``, if given,
     reads the T Jacobians instead of :func:`jacobians` (same returns; the image route:
     :func:`~.ffn_image.image_reader`). ``start``: the result is only the start of a fit, so a span that
-    stalls above its tolerance is kept (its best iterate) instead of refused."""
+    stalls above its tolerance is kept (its best iterate) instead of refused. ``activation``: the FFN's
+    (:mod:`headthief.models.activations`), whose derivative every neuron's profile is fitted with."""
     d = oracle.d
     T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
     J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
@@ -630,7 +640,7 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     coef = coefficients(lifted, gam, pairs)
     info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
             "fitted": ["span (iterated)", "neuron profiles (1-D fits)"]}
-    return assemble_part(gam, [u for u, _ in pairs], [v for _, v in pairs], coef, ms, ns, info)
+    return assemble_part(gam, [u for u, _ in pairs], [v for _, v in pairs], coef, ms, ns, info, activation)
 
 
 class NearlyLinearFFN(NotIdentifiable):
@@ -725,11 +735,14 @@ def coefficients(lifted: np.ndarray, gam: np.ndarray, pairs, probes: np.ndarray 
     return coef
 
 
-def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns: np.ndarray, info: dict) -> FFNPart:
+def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns: np.ndarray, info: dict,
+                  activation: str = "gelu") -> FFNPart:
     """Steps 4 and 5 of the module docstring: neuron k's output direction ``us[k]`` and input direction
     ``zs[k]`` (any scale), its coefficient ``coef[k + 1]`` over gamma's ``coef[0]`` at every point (unit ``ms``,
-    answers' unit ``ns``) -> its GELU' profile (scale, bias), then the linear remainder ``c``."""
-    from ...models.bert_block import gelu
+    answers' unit ``ns``) -> its profile ``f'`` (scale, bias; f the ``activation``), then the linear remainder
+    ``c``."""
+    from ...models.activations import activation as act_of
+    gelu = act_of(activation).f
     T, d = ms.shape
     ffn = len(us)
     a_t = coef[0]
@@ -742,7 +755,7 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
     for k, (u, v) in enumerate(zip(us, zs)):
         rho = coef[k + 1] / a_t
         xi = M @ v
-        alpha, beta, kappa, rel = _profile_fit(xi, rho)
+        alpha, beta, kappa, rel = _profile_fit(xi, rho, act=activation)
         fits.append(rel)
         W1m[k] = alpha * v
         b1m[k] = beta
@@ -760,7 +773,8 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
     # with sum(gamma_2) < 0 answered fresh one-token queries at fidelity 5.3 before this)
     if np.median(np.einsum("td,td->t", ns, PG + c)) < 0:
         gam, W2, c = -gam, -W2, -c
-    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info={**info, "profile_fit_worst": float(max(fits))})
+    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info={**info, "profile_fit_worst": float(max(fits))},
+                   activation=activation)
 
 
 def predict_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray) -> np.ndarray:
@@ -788,6 +802,6 @@ def check_one_token(oracle: Oracle, part: FFNPart, ln: OutputLayerNorm, vs: Valu
     limit = CHECK_FACTOR * max(float(precision), 1e-16) ** 0.8 * np.sqrt(d)
     if fid > limit:
         raise ModelMismatch(f"the recovered LN1 + FFN + LN2 answer fresh one-token queries with fidelity {fid:.3g} > "
-                            f"{limit:.2g} ({CHECK_FACTOR}x the Jacobians' precision): not a post-LN GELU block of this "
-                            "width", check="one-token fidelity", figure=fid, threshold=limit)
+                            f"{limit:.2g} ({CHECK_FACTOR}x the Jacobians' precision): not a post-LN {part.activation} "
+                            "block of this width", check="one-token fidelity", figure=fid, threshold=limit)
     return {"fidelity": fid, "threshold": limit, "queries": count}

@@ -118,7 +118,7 @@ TRIES = 3                 # stage F on the image: fresh points after a span or n
 
 def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Generator, *, ffn: int, reader,
                          start: bool = False, precision: float = 1e-15, tries: int = TRIES,
-                         points: int | None = None) -> FFNPart:
+                         points: int | None = None, activation: str = "gelu") -> FFNPart:
     """:func:`.ffn.extract_ffn` with ``reader``, tried again at fresh points when its span does not settle or
     its neuron search fails (measured: 1 of 8 draws at d = 8, ffn = 8 on one block; the image's reachable cap
     makes some point sets poor). ``info["attempts"]`` says how many were needed; the last error is raised
@@ -127,7 +127,7 @@ def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Gen
     for attempt in range(1, tries + 1):
         try:
             part = extract_ffn(oracle, ln, None, rng, ffn=ffn, reader=reader, start=start, precision=precision,
-                               points=points)
+                               points=points, activation=activation)
         except NearlyLinearFFN:                 # a property of the block: fresh points do not help
             raise
         except (ConvergenceError, NotIdentifiable) as e:
@@ -155,6 +155,6 @@ def check_on_image(oracle: Oracle, part: FFNPart, ln: OutputLayerNorm, ivs: Imag
     limit = CHECK_FACTOR * MAX_CONDITION * max(float(precision), 1e-16) ** 0.8 * np.sqrt(d)
     if fid > limit:
         raise ModelMismatch(f"the recovered LN1 + FFN + LN2 answer fresh image tokens with fidelity {fid:.3g} > "
-                            f"{limit:.2g}: not a post-LN GELU block of this width", check="one-token fidelity (image)",
-                            figure=fid, threshold=limit)
+                            f"{limit:.2g}: not a post-LN {part.activation} block of this width",
+                            check="one-token fidelity (image)", figure=fid, threshold=limit)
     return {"fidelity": fid, "threshold": limit, "queries": count}

@@ -101,7 +101,8 @@ def check_fits(d: int, ffn: int, p: int | None = None, T: int | None = None) -> 
 
 def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                        points: int | None = None, probes: int | None = None, precision: float = 1e-15,
-                       r: float | None = None, max_iter: int = 300, progress=None) -> FFNPart:
+                       r: float | None = None, max_iter: int = 300, progress=None,
+                       activation: str = "gelu") -> FFNPart:
     """Stage F from probe Jacobians (module docstring) for a block of FFN width ``ffn``: one-token queries
     that set LN1's normalised output (:func:`.ffn.tokens_for`), read through stage L's LayerNorm."""
     d = oracle.d
@@ -116,13 +117,13 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
 
     q0 = oracle.queries
     part = from_derivatives(derivative, lambda m: answer(m[None])[0], d, ffn, rng, points=points, probes=probes,
-                            precision=precision, max_iter=max_iter, progress=progress)
+                            precision=precision, max_iter=max_iter, progress=progress, activation=activation)
     return dataclasses.replace(part, info={"queries": oracle.queries - q0, **part.info})
 
 
 def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Generator, *, points: int | None = None,
                      probes: int | None = None, precision: float = 1e-15, max_iter: int = 300,
-                     progress=None) -> FFNPart:
+                     progress=None, activation: str = "gelu") -> FFNPart:
     """The probe route on any position-wise map m -> n: ``derivative(m, dirs)`` its (d, k) derivatives at m
     along the rows of dirs, ``answer(m)`` its value at m (the normalised LN2 input, any scale)."""
     p = probes or probe_count(d, ffn)
@@ -182,4 +183,4 @@ def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Genera
     info = {"points": T, "probes": p, "inside_points": S, "span_iterations": iters, "span_change": change,
             "starts": starts, "phase2_conditioning": float(w[0] / w[-1]),
             "fitted": ["span of probe Jacobians (iterated)", "neuron profiles (1-D fits)"]}
-    return assemble_part(gam, [u for u, _ in pairs], zs, coef, ms, ns, info)
+    return assemble_part(gam, [u for u, _ in pairs], zs, coef, ms, ns, info, activation)

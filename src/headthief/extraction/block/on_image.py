@@ -46,7 +46,7 @@ from ..check import cost, counters
 from ..result import Fidelity, rel_err
 from .block_refit import refit_block
 from ..precision import ModelCheck
-from .extract import CHECK_FACTOR, MODEL, REFIT_LENGTHS, BlockExtraction, block_errors, parts_of
+from .extract import CHECK_FACTOR, REFIT_LENGTHS, BlockExtraction, activation_named, block_errors, model_of, parts_of
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
@@ -94,7 +94,7 @@ def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generat
                            bk=np.zeros((heads, dh)), bv=np.zeros((heads, dh)), bo=b, output="all")
     return BertBlock(attention=layer, ln1_gamma=part.gamma, ln1_beta=np.zeros(d), W1=part.W1m / part.gamma[None, :],
                      b1=part.b1m, W2=part.W2, b2=part.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
-                     info={"recovered": True, "input_image": True})
+                     activation=part.activation, info={"recovered": True, "input_image": True})
 
 
 def fit_counts(d: int, ffn: int, positions: int | None = None) -> list[int]:
@@ -120,11 +120,12 @@ def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, 
 
 def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int, ffn: int,
                            rng: np.random.Generator | int = 0, verify: int = 256, check: bool = True,
-                           positions: int | None = None, progress=None) -> BlockExtraction:
+                           positions: int | None = None, progress=None, activation: str = "gelu") -> BlockExtraction:
     """Stages L, V, F on the image, the heads fitted (module docstring), and the model check on ``verify``
     fresh image sequences of 1 to 16 tokens. float64 or float32 answers: the stencils' steps follow the
     answers' precision (:func:`answer_precision`), and for float32 the stages' algebra is the fit's start.
-    ``positions``: answered positions for the fit (default: :func:`fit_counts`)."""
+    ``positions``: answered positions for the fit (default: :func:`fit_counts`); ``activation``: the FFN's
+    (:mod:`headthief.models.activations`, GELU by default)."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     if image.d != oracle.d:
@@ -132,6 +133,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     if int(heads) < 1 or oracle.d % int(heads):
         raise SpecError(f"heads={heads} must divide d={oracle.d}")
     rng = np.random.default_rng(rng)
+    act_name = activation_named(activation)
     d = oracle.d
     t0 = time.perf_counter()
     before = counters(oracle)
@@ -165,7 +167,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     for _ in range(FIT_TRIES):
         q0 = oracle.queries
         part = extract_ffn_on_image(oracle, ln, rng, ffn=int(ffn), precision=eps,
-                                    reader=image_reader(oracle, ln, ivs, precision=eps))
+                                    reader=image_reader(oracle, ln, ivs, precision=eps), activation=act_name)
         one = check_on_image(oracle, part, ln, ivs, rng, precision=eps)
         mark("F", q0)
         q0 = oracle.queries
@@ -192,7 +194,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     ln, vs, part, att = parts_of(block, ln, vs, part, att0)
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
-    diag = {**stages, "input": "previous LayerNorm's image", "activation_ratio": act.ratio,
+    diag = {**stages, "input": "previous LayerNorm's image", "activation_ratio": act.ratio, "activation": act_name,
 "ln2_sphere_residual": ln.sphere_residual,
             "value_sum_residual": ivs.residual, "value_sum_steps": ivs.iterations,
             "value_sum_conditioning": ivs.conditioning, "one_token_fidelity": one["fidelity"],
@@ -207,7 +209,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                                diagnostics=diag, method="block (image)", image=image)
     floor = check_precision(eps, one["fidelity"])
     mc = (_check(res, oracle, image, rng, verify, insample, floor, kind.describe()) if check
-          else ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+          else ModelCheck("unchecked", model_of(act_name), detail="the model check was skipped"))
     if eps > COARSE and fit["block_refit_insample"] > GOOD_FACTOR * floor:
         # the right model class (the check passed), but an order of magnitude above the method's precision is
         # not reported as done (as in --method encoder)
@@ -258,7 +260,8 @@ def _check(res: BlockExtraction, oracle: Oracle, image: LayerNormImage, rng, n: 
                             f"({CHECK_FACTOR}x the parts' precision {parts:.3g}): the fit found no post-LN block of "
                             "this shape that answers like the target", check="fresh image sequences", figure=fid,
                             threshold=limit)
-    return ModelCheck("pass", MODEL + ", on the previous LayerNorm's image", answers=answers, figure=fid,
+    return ModelCheck("pass", model_of(res.block.activation) + ", on the previous LayerNorm's image", answers=answers,
+                      figure=fid,
                       threshold=limit, verify_queries=int(n),
                       detail=f"fidelity {fid:.3g} on {n} fresh image sequences of 1 to 16 tokens (every position); "
                              f"threshold {limit:.3g}: {CHECK_FACTOR}x the parts' precision {parts:.3g}")

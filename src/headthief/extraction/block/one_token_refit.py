@@ -1,10 +1,11 @@
 """Stage F's refit for coarse (float32) answers: the one-token map fitted to the answers already paid for.
 
 A one-token query x is answered by ``y = LN2(u(m))`` with ``m = normalize(B x + b)`` (LN1's normalised
-output) and ``u(m) = gamma * m + c + W2 gelu(W1m m + b1m)`` (:class:`~.ffn.FFNPart`). Stages L, V and F
-recover every part of it by exact algebra on finite differences; with float32 answers those differences
-are good to the stencil's error (``eps^0.8 sqrt(d)``, ~7e-6 at d = 16) only, and the span, the rank-one
-neurons and the profile fits built on them carry ~1e-3 (measured: one-token fidelity 2.2e-3 at d = 16).
+output) and ``u(m) = gamma * m + c + W2 f(W1m m + b1m)`` (:class:`~.ffn.FFNPart`; f: GELU or
+``part.activation``). Stages L, V and F recover every part of it by exact algebra on finite differences;
+with float32 answers those differences are good to the stencil's error (``eps^0.8 sqrt(d)``, ~7e-6 at
+d = 16) only, and the span, the rank-one neurons and the profile fits built on them carry ~1e-3 (measured:
+one-token fidelity 2.2e-3 at d = 16).
 
 The answers themselves are good to float32's rounding (~6e-8 relative). So this stage takes the algebraic
 parts as a start and minimises ``sum |y(x) - y_answer|^2`` over one-token answers to random tokens
@@ -40,20 +41,21 @@ def shapes(d: int, f: int) -> dict[str, tuple[int, ...]]:
             "be2": (d,)}
 
 
-def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: int) -> tuple[float, np.ndarray]:
-    """``0.5 sum |y(x) - Y|^2`` over the one-token answers and its gradient in the packed parameters."""
-    from scipy.special import erf
+def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: int,
+                  activation: str = "gelu") -> tuple[float, np.ndarray]:
+    """``0.5 sum |y(x) - Y|^2`` over the one-token answers and its gradient in the packed parameters
+    (``activation``: the FFN's, :mod:`headthief.models.activations`)."""
+    from ...models.activations import value_and_prime
     p = unpack(theta, shapes(d, f))
     m, r1 = normalize(X @ p["B"].T + p["b"])
     s = m @ p["W1"].T + p["b1"]
-    Phi = 0.5 * (1.0 + erf(s * (1.0 / np.sqrt(2.0))))
-    g = s * Phi
+    g, fp = value_and_prime(activation, s)
     n, r2 = normalize(m * p["gam"] + p["c"] + g @ p["W2"].T)
     res = n * p["g2"] + p["be2"] - Y
     L = 0.5 * float(np.sum(res * res))
     dn = res * p["g2"]
     du = normalize_back(dn, n, r2)
-    ds = (du @ p["W2"]) * (Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi)))
+    ds = (du @ p["W2"]) * fp
     dm = du * p["gam"] + ds @ p["W1"]
     dpre = normalize_back(dm, m, r1)
     grads = {"B": dpre.T @ X, "b": dpre.sum(axis=0), "gam": (du * m).sum(axis=0), "c": du.sum(axis=0),
@@ -73,7 +75,7 @@ def _parts(p: dict, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum) -> tuple[F
     fitted = list(part.info.get("fitted", []))
     fitted += [] if "every one-token part (L-BFGS refit)" in fitted else ["every one-token part (L-BFGS refit)"]
     new_part = FFNPart(gamma=p["gam"] / s, c=P @ (p["c"] / s), W1m=p["W1"] @ P, b1m=p["b1"].copy(), W2=p["W2"] / s,
-                       info={**part.info, "refit": True, "fitted": fitted})
+                       info={**part.info, "refit": True, "fitted": fitted}, activation=part.activation)
     return new_part, dataclasses.replace(ln, gamma=p["g2"].copy(), beta=p["be2"].copy()), with_map(vs, Bn, bn)
 
 
@@ -103,10 +105,10 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     rms = float(np.sqrt(np.mean(Y * Y)))
     if device is None:
         def evaluate(th, shift=None):
-            return loss_and_grad(th, X, Y if shift is None else Y - shift, d, f)
+            return loss_and_grad(th, X, Y if shift is None else Y - shift, d, f, part.activation)
     else:
         from .torch_losses import OneTokenLoss
-        evaluate = OneTokenLoss(shapes(d, f), X, Y, device)
+        evaluate = OneTokenLoss(shapes(d, f), X, Y, device, activation=part.activation)
     L0, G0 = evaluate(theta0)
     rng = np.random.default_rng(0) if rng is None else rng
     scale = diagonal_scale(lambda: evaluate(theta0, signs(rng, Y.shape))[1] - G0) if scaled else None

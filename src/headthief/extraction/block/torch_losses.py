@@ -50,8 +50,9 @@ def _normalize(v):
     return c / c.pow(2).mean(dim=-1, keepdim=True).sqrt()
 
 
-def _gelu(s):
-    return 0.5 * s * (1.0 + (s * (1.0 / math.sqrt(2.0))).erf())
+def _act(name: str):
+    from ...models.activations import activation
+    return activation(name).torch
 
 
 class _Loss:
@@ -75,8 +76,9 @@ class BlockLoss(_Loss):
     """``(theta, shift=None) -> (loss, gradient)`` of :func:`.block_refit.loss_and_grad` on ``device``;
     ``shift``: arrays subtracted from each group's answers (the Gauss-Newton diagonal's random signs)."""
 
-    def __init__(self, shapes: dict, groups, fixed: dict, device: str):
+    def __init__(self, shapes: dict, groups, fixed: dict, device: str, activation: str = "gelu"):
         super().__init__(shapes, device)
+        self.act = _act(activation)
         self.groups = [(self.tensor(X), self.tensor(Y)) for X, Y in groups]
         self.fixed = {k: self.tensor(v) for k, v in (fixed or {}).items()}
 
@@ -108,7 +110,7 @@ class BlockLoss(_Loss):
             z = A @ v
         zc = z.transpose(1, 2).reshape(N * T, H * dh)
         zz = _normalize(Xf + zc @ p["Wo"].T + p["bo"]) * p["g1"]
-        n2 = _normalize(zz + _gelu(zz @ p["W1"].T + p["b1"]) @ p["W2"].T + p["b2"])
+        n2 = _normalize(zz + self.act(zz @ p["W1"].T + p["b1"]) @ p["W2"].T + p["b2"])
         res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
         return 0.5 * (res * res).sum()
 
@@ -116,14 +118,15 @@ class BlockLoss(_Loss):
 class OneTokenLoss(_Loss):
     """``(theta, shift=None) -> (loss, gradient)`` of :func:`.one_token_refit.loss_and_grad` on ``device``."""
 
-    def __init__(self, shapes: dict, X: np.ndarray, Y: np.ndarray, device: str):
+    def __init__(self, shapes: dict, X: np.ndarray, Y: np.ndarray, device: str, activation: str = "gelu"):
         super().__init__(shapes, device)
+        self.act = _act(activation)
         self.X, self.Y = self.tensor(X), self.tensor(Y)
 
     def __call__(self, theta: np.ndarray, shift=None) -> tuple[float, np.ndarray]:
         def loss_of(p):
             m = _normalize(self.X @ p["B"].T + p["b"])
-            n = _normalize(m * p["gam"] + p["c"] + _gelu(m @ p["W1"].T + p["b1"]) @ p["W2"].T)
+            n = _normalize(m * p["gam"] + p["c"] + self.act(m @ p["W1"].T + p["b1"]) @ p["W2"].T)
             res = n * p["g2"] + p["be2"] - (self.Y if shift is None else self.Y - self.tensor(shift))
             return 0.5 * (res * res).sum()
         return self.run(theta, loss_of)
