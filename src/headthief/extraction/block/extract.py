@@ -38,14 +38,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...errors import BudgetExceeded, ModelMismatch, SpecError
+from ...errors import BudgetExceeded, ConvergenceError, ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, refuse_half_precision,
                          refuse_if_random, token_scale, vector_answer_noise)
 from ..result import Fidelity, freeze_fields, rel_err
-from .ffn import FFNPart, check_one_token, extract_ffn
+from .ffn import FFNPart, NearlyLinearFFN, check_one_token, default_points, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
@@ -448,9 +448,28 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
 
             def span_progress(step, res):         # the span's steps (hours at MiniLM's size), then the neurons
                 describe(f"{name}, span step {step}, fixed-point residual {res:.2e}")
-            st = {**st, "span": route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
-                                      activation=act),
-                  "f_start": f_start}
+
+            def read_f(**points):
+                return route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
+                             activation=act, **points)
+            missed = []
+            for more in (1, 2, 4):
+                # float32 answers on the full route: a span whose neurons are not all found is read again from
+                # 2x, then 4x as many fresh points (measured: transformers' float32 SiLU BertLayer, d = 16, FFN
+                # 32, PyTorch's init: "found 7 of 32 neurons" at 165 points; a weakly curved FFN in float32)
+                try:
+                    span_part = read_f(**({} if more == 1 else {"points": more * default_points(d, int(ffn))}))
+                    break
+                except (ConvergenceError, NotIdentifiable) as e:
+                    if probes or not coarse or isinstance(e, NearlyLinearFFN):
+                        raise
+                    if more == 4:
+                        raise type(e)(f"{e} (stage F read three times, from {default_points(d, int(ffn))}, 2x and 4x "
+                                      f"as many fresh points; the first two: {'; '.join(missed)})") from e
+                    missed.append(str(e))
+                    describe(f"{name}, again at {2 * more * default_points(d, int(ffn))} fresh points ({e})")
+            span_part = dataclasses.replace(span_part, info={**span_part.info, "retried": missed})
+            st = {**st, "span": span_part, "f_start": f_start}
             if coarse:
                 ck.save("F-span", {**st, "stages": stages, "seconds": seconds})
         else:                                     # stage F's queries so far, counted as if asked in this run
@@ -558,6 +577,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps, "activation": act,
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
+            "stage_f_reads": 1 + len(part.info.get("retried", [])),
+            "stage_f_missed": "; ".join(part.info.get("retried", [])) or None,
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
             "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,

@@ -616,6 +616,12 @@ def tolerances(precision: float, d: int) -> tuple[float, float]:
     return 30 * expected, min(1e3 * expected, 0.1)
 
 
+def default_points(d: int, ffn: int) -> int:
+    """Stage F's Jacobian points by default: ``max(5 (ffn + 1), 2 d)`` (3 (ffn + 1) left a d = 16 seed
+    unsettled, measured)."""
+    return max(5 * (ffn + 1), 2 * d)
+
+
 def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
                 max_iter: int = 300, progress=None, reader=None, start: bool = False,
@@ -626,7 +632,7 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     stalls above its tolerance is kept (its best iterate) instead of refused. ``activation``: the FFN's
     (:mod:`headthief.models.activations`), whose derivative every neuron's profile is fitted with."""
     d = oracle.d
-    T = points or max(5 * (ffn + 1), 2 * d)              # 3 (ffn + 1) left a d = 16 seed unsettled (measured)
+    T = points or default_points(d, ffn)
     J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
                     else reader(rng, T))
     span_tol, rank_tol = tolerances(precision, d)
