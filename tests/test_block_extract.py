@@ -473,10 +473,14 @@ def test_progress_log_lines_at_most_once_a_minute_between_stages(capsys):
 
 
 def test_cli_log_names_the_span_steps(capsys, monkeypatch):
-    """Stage F's span (hours at MiniLM's size) logs its steps: every one when lines may come at any time."""
+    """Stage F's span and neuron search (hours at MiniLM's size) log their steps: every one when lines may come
+    at any time."""
     import headthief.cli.extract as cli_extract
     from headthief.cli import main
     monkeypatch.setattr(cli_extract, "LOG_EVERY", 0.0)
     code = main(["extract", "--target", f"{SPEC},seed=45", "--method", "block", "--verify", "16", "--json"])
-    steps = [line for line in capsys.readouterr().err.splitlines() if ", span step " in line]
+    err = capsys.readouterr().err.splitlines()
+    steps = [line for line in err if ", span step " in line]
     assert code == 0 and steps and "span step 1, fixed-point residual" in steps[0]
+    found = [line for line in err if ", neuron search, " in line]
+    assert found and "neuron search, 1 of " in found[0]

@@ -176,9 +176,12 @@ def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
     res = extract.extract_block(oracle, heads=2, ffn=12, rng=41, verify=16, progress=bar)
     assert bar.count == res.queries == oracle.queries - 16 - 72     # every query but the model check's
     assert res.check.verify_queries == 16 + 72                     # (float32: 72 on the noise's segments)
-    stages = [t for t in bar.texts if "evaluation" not in t and "span step" not in t]
+    stages = [t for t in bar.texts if "evaluation" not in t and "span step" not in t and "neuron search" not in t]
     assert [t.split(" (")[0] for t in stages] == ["stage F", "F+ one-token refit", "stage A", "R block refit"]
     assert any(", span step 1, fixed-point residual " in t for t in bar.texts)
+    # the neuron search (most of an hour at MiniLM's size) names each neuron found, the last one 12 of 12
+    found = [t for t in bar.texts if ", neuron search, " in t]
+    assert found[0].endswith(", neuron search, 1 of 12 found in 1 starts") and " 12 of 12 found in " in found[-1]
     assert any(t.startswith("R block refit, evaluation 50, rms ") for t in bar.texts)
 
 

@@ -449,9 +449,12 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             def span_progress(step, res):         # the span's steps (hours at MiniLM's size), then the neurons
                 describe(f"{name}, span step {step}, fixed-point residual {res:.2e}")
 
+            def neuron_progress(found, count, starts):
+                describe(f"{name}, neuron search, {found} of {count} found in {starts} starts")
+
             def read_f(**points):
                 return route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
-                             activation=act, **points)
+                             activation=act, found_progress=neuron_progress, **points)
             missed = []
             for more in (1, 2, 4):
                 # float32 answers on the full route: a span whose neurons are not all found is read again from

@@ -385,9 +385,10 @@ def top_subspace(L: np.ndarray, rank: int) -> np.ndarray:
 
 
 def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, max_starts: int | None = None,
-              tol: float = 1e-6):
+              tol: float = 1e-6, found_progress=None):
     """``count`` distinct rank-one elements ``u v^T`` of span(Q) (unit u, v), by projected power iteration;
-    ``tol``: how far from rank one (second over first singular value) an element may be, the span's precision."""
+    ``tol``: how far from rank one (second over first singular value) an element may be, the span's precision.
+    ``found_progress(found, count, starts)``, if given, is told of each element found."""
     max_starts = max_starts or 40 * count + 200
     found: list[tuple[np.ndarray, np.ndarray]] = []
     starts = 0
@@ -412,6 +413,8 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
         u, v = U[:, 0], Vt[0]
         if all(abs(u @ a) * abs(v @ b) < 1 - 1e-6 for a, b in found):
             found.append((u, v))
+            if found_progress is not None:
+                found_progress(len(found), count, starts)
     if len(found) < count:
         raise NotIdentifiable(f"found {len(found)} of {count} neurons (rank-one elements of the Jacobian span) in "
                               f"{starts} random starts: the span is not that of {count} neurons and LN1's gamma")
@@ -452,13 +455,15 @@ def polish_rank_one(Q: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.random.Generator, *,
-                      max_starts: int | None = None, tol: float = 1e-6, iterations: int = 2000, batch: int = 64):
+                      max_starts: int | None = None, tol: float = 1e-6, iterations: int = 2000, batch: int = 64,
+                      found_progress=None):
     """:func:`rank_ones` for d x ``cols`` elements, ``batch`` starts at a time in the span's coordinates
     (one batched SVD and two matrix products per step; a start that settles or runs out of ``iterations``
     is replaced by a fresh one). The same test for rank one and for distinct neurons. Half of the fresh starts
     are drawn off the neurons already found (orthogonal to their coordinates in the span): a neuron whose basin
     is small is then not left to chance (d = 64, ffn = 256, research seed 3: 255 of 256 in 10,440 uniform
-    starts, with the span right to 5e-11)."""
+    starts, with the span right to 5e-11). ``found_progress``: as for :func:`rank_ones` (at MiniLM's size
+    this search is most of an hour)."""
     max_starts = max_starts or 40 * count + 200
     K = Q.shape[1]
     Qr = Q.reshape(d, cols * K)
@@ -499,6 +504,8 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
                 u, v = u_[:, 0], vt_[0]
                 if all(abs(u @ a) * abs(v @ b) < 1 - 1e-6 for a, b in found):
                     found.append((u, v))
+                    if found_progress is not None:
+                        found_progress(len(found), count, starts)
         keep = ~done
         room = min(int(done.sum()), max_starts - starts) if len(found) < count else 0
         C = np.concatenate([C[keep], fresh(room)])
@@ -511,14 +518,14 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
 
 
 def neurons(Q: np.ndarray, ffn: int, d: int, rng: np.random.Generator, tol: float, coarse: bool,
-            cols: int | None = None):
+            cols: int | None = None, found_progress=None):
     """``ffn`` neurons: :func:`rank_ones` (d x d elements) or :func:`rank_ones_batched` (d x ``cols``, the
     probe route); in a span blurred by coarse answers a neuron the search misses is retried at 3x and 10x
     the tolerance (seed 7006 found 31 of 32 at 1x, measured)."""
     def search(t):
         if cols is None:
-            return rank_ones(Q, ffn, d, rng, tol=t)
-        return rank_ones_batched(Q, ffn, d, cols, rng, tol=t)
+            return rank_ones(Q, ffn, d, rng, tol=t, found_progress=found_progress)
+        return rank_ones_batched(Q, ffn, d, cols, rng, tol=t, found_progress=found_progress)
     if not coarse:
         return search(tol)
     for k, t in enumerate(min(f * tol, 0.3) for f in (1, 3, 10)):
@@ -625,12 +632,14 @@ def default_points(d: int, ffn: int) -> int:
 def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                 points: int | None = None, precision: float = 1e-15, r: float | None = None,
                 max_iter: int = 300, progress=None, reader=None, start: bool = False,
-                activation: str = "gelu") -> FFNPart:
+                activation: str = "gelu", found_progress=None) -> FFNPart:
     """Stage F (see the module docstring) for a block of FFN width ``ffn``. ``reader(rng, T)``, if given,
     reads the T Jacobians instead of :func:`jacobians` (same returns; the image route:
     :func:`~.ffn_image.image_reader`). ``start``: the result is only the start of a fit, so a span that
     stalls above its tolerance is kept (its best iterate) instead of refused. ``activation``: the FFN's
-    (:mod:`headthief.models.activations`), whose derivative every neuron's profile is fitted with."""
+    (:mod:`headthief.models.activations`), whose derivative every neuron's profile is fitted with.
+    ``progress(step, residual)`` is told of the span's steps, ``found_progress(found, ffn, starts)`` of each
+    neuron found."""
     d = oracle.d
     T = points or default_points(d, ffn)
     J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
@@ -641,7 +650,8 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     # float32 spans do (unseen encoder seed 15015, FFN 16: 14 of 16 neurons on 3 tries at the strict one)
     Q, lifted, iters, change, pairs, starts = span_and_neurons(J, ms, ns, ffn, rng, tol=span_tol, rank_tol=rank_tol,
                                                                coarse=coarse or start, best_on_stall=coarse or start,
-                                                               max_iter=max_iter, progress=progress)
+                                                               max_iter=max_iter, progress=progress,
+                                                               found_progress=found_progress)
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
     coef = coefficients(lifted, gam, pairs)
     info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
@@ -692,9 +702,10 @@ def nearly_linear(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, ffn: int, error
 
 
 def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: float, rank_tol: float, coarse: bool,
-                     best_on_stall: bool, max_iter: int, progress=None, probes: np.ndarray | None = None):
+                     best_on_stall: bool, max_iter: int, progress=None, probes: np.ndarray | None = None,
+                     found_progress=None):
     """:func:`span` at rank ffn + 1, then :func:`neurons` (``cols``: the probes' count on the probe route;
-    ``coarse``: its wider tolerances after a miss):
+    ``coarse``: its wider tolerances after a miss; ``found_progress``: told of each neuron found):
     ``(Q, lifted, iterations, change, pairs, starts)``. A failure of either is asked :func:`nearly_linear`
     (once; on the full route already when Anderson stalls, before the polish: at d = 32 that polish is most
     of an hour), and a nearly linear FFN is raised as such."""
@@ -719,7 +730,8 @@ def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: floa
         early = stalled if probes is None else None
         Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=tol, progress=progress,
                                         best_on_stall=best_on_stall, rng=rng, probes=probes, on_stall=early)
-        pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=None if probes is None else probes.shape[1])
+        pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=None if probes is None else probes.shape[1],
+                                found_progress=found_progress)
     except NearlyLinearFFN:
         raise
     except (ConvergenceError, NotIdentifiable) as e:

@@ -102,7 +102,7 @@ def check_fits(d: int, ffn: int, p: int | None = None, T: int | None = None) -> 
 def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *, ffn: int,
                        points: int | None = None, probes: int | None = None, precision: float = 1e-15,
                        r: float | None = None, max_iter: int = 300, progress=None,
-                       activation: str = "gelu") -> FFNPart:
+                       activation: str = "gelu", found_progress=None) -> FFNPart:
     """Stage F from probe Jacobians (module docstring) for a block of FFN width ``ffn``: one-token queries
     that set LN1's normalised output (:func:`.ffn.tokens_for`), read through stage L's LayerNorm."""
     d = oracle.d
@@ -117,13 +117,14 @@ def extract_ffn_probes(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: n
 
     q0 = oracle.queries
     part = from_derivatives(derivative, lambda m: answer(m[None])[0], d, ffn, rng, points=points, probes=probes,
-                            precision=precision, max_iter=max_iter, progress=progress, activation=activation)
+                            precision=precision, max_iter=max_iter, progress=progress, activation=activation,
+                            found_progress=found_progress)
     return dataclasses.replace(part, info={"queries": oracle.queries - q0, **part.info})
 
 
 def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Generator, *, points: int | None = None,
                      probes: int | None = None, precision: float = 1e-15, max_iter: int = 300,
-                     progress=None, activation: str = "gelu") -> FFNPart:
+                     progress=None, activation: str = "gelu", found_progress=None) -> FFNPart:
     """The probe route on any position-wise map m -> n: ``derivative(m, dirs)`` its (d, k) derivatives at m
     along the rows of dirs, ``answer(m)`` its value at m (the normalised LN2 input, any scale)."""
     p = probes or probe_count(d, ffn)
@@ -155,7 +156,8 @@ def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Genera
     Q, lifted, iters, change, pairs, starts = span_and_neurons(D[first:], ms[first:], ns[first:], ffn, rng,
                                                                tol=span_tol, rank_tol=rank_tol, coarse=coarse,
                                                                best_on_stall=coarse, max_iter=max_iter,
-                                                               progress=progress, probes=V)
+                                                               progress=progress, probes=V,
+                                                               found_progress=found_progress)
     if narrow:
         lifted = np.concatenate([lift_against(D[:S], ms[:S], ns[:S], Q, V), lifted])
     gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3, probes=V)
