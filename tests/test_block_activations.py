@@ -195,3 +195,46 @@ def test_a_journal_is_not_resumed_under_another_activation(tmp_path):
         ht.extract(f"{SPEC},seed=49,act=gelu_tanh", "block", activation="silu", journal=journal, verify=16)
     again = ht.extract(f"{SPEC},seed=49,act=gelu_tanh", "block", activation="gelu_tanh", journal=journal, verify=16)
     assert again.exit_code == 0 and again.row["queries_fresh"] == 0
+
+
+def test_the_encoder_method_takes_the_activation_and_saves_its_hidden_act(tmp_path):
+    """``--method encoder --activation gelu_tanh`` on an encoder of tanh-GELU blocks: every block recovered, the
+    file names ``gelu_new`` and loads into transformers' ``BertEncoder`` of that ``hidden_act``; the default GELU
+    is refused."""
+    spec = "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=50,act=gelu_tanh"
+    out = tmp_path / "enc.safetensors"
+    rep = ht.extract(spec, "encoder", activation="gelu_tanh", verify=32, save=str(out))
+    r = rep.row
+    assert rep.exit_code == 0 and "gelu_tanh FFN" in r["model_check"]["model"] and r["fidelity_max_rel_err"] <= 1e-8
+    assert max(v for k, v in r.items() if k.endswith("_rel_err") and v is not None) <= 1e-8
+    wrong = ht.extract(spec, "encoder", verify=32, raise_errors=False)
+    assert wrong.exit_code in (4, 5) and not wrong.ok
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEncoder
+
+    from headthief.models.encoder_export import read_bert_encoder
+    tensors, meta = read_bert_encoder(str(out))
+    assert meta["hidden_act"] == "gelu_new"
+    cfg = BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8, num_hidden_layers=2,
+                     hidden_act=meta["hidden_act"], layer_norm_eps=1e-12, attn_implementation="eager")
+    enc = BertEncoder(cfg).double().eval()
+    enc.load_state_dict({k[len("encoder."):]: torch.from_numpy(np.array(v, np.float64)) for k, v in tensors.items()},
+                        strict=True)
+    truth = ht.targets.resolve(spec).truth
+    # the blocks act on hidden states (each block is read on its previous LayerNorm's image only)
+    states = truth.forward(np.random.default_rng(11).standard_normal((2, 5, 8))).reshape(2, 5, 3, 8)
+    with torch.no_grad():
+        y = enc(torch.from_numpy(np.ascontiguousarray(states[:, :, 0])))[0].numpy()
+    want = states[:, :, -1]
+    assert np.max(np.abs(y - want)) / np.sqrt(np.mean(want ** 2)) <= 1e-5          # the file holds float32
+
+
+def test_an_encoder_file_takes_one_hidden_act_for_every_block():
+    from headthief.models.encoder_export import encoder_tensors
+    a = random_block(8, 2, 8, seed=51, activation="silu")
+    b = random_block(8, 2, 8, seed=52)
+    with pytest.raises(ValueError, match="share one hidden_act"):
+        encoder_tensors([a, b])
+    assert len(encoder_tensors([a, random_block(8, 2, 8, seed=52, activation="silu")])) == 2 * len(a.state_dict())

@@ -471,7 +471,8 @@ def _run_encoder(oracle, target, args, progress, clean=None):
         raise SpecError("--method encoder needs the head count and the FFN's width "
                         f"(--heads H, --ffn M; {target.spec} does not publish them)")
     return extract_encoder(oracle, layers=L, heads=int(heads), ffn=int(ffn), rng=rng, length=length,
-                           verify=kw["verify"], check=kw["check"], check_rng=kw["check_rng"], progress=progress)
+                           verify=kw["verify"], check=kw["check"], check_rng=kw["check_rng"], progress=progress,
+                           activation=getattr(args, "activation", "gelu"))
 
 
 METHODS["encoder"] = Method(

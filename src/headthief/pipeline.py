@@ -132,7 +132,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
     "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
-    "refit_device": {"block"}, "activation": {"block"},
+    "refit_device": {"block"}, "activation": {"block", "encoder"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -431,7 +431,9 @@ def _comparable(res, truth) -> bool:
     from .extraction.block.encoder_parts import EncoderParts
     if isinstance(res, (EncoderExtraction, EncoderParts)):
         from .models.bert_block import Encoder
-        return isinstance(truth, Encoder)
+        # the blocks' activation is part of the class where blocks are recovered (EncoderParts reads none)
+        return isinstance(truth, Encoder) and (isinstance(res, EncoderParts) or all(
+            b.activation == res.diagnostics.get("activation", "gelu") for b in truth.blocks))
     if isinstance(res, RopeExtraction):
         from .models.rope import RopeAttention
         return isinstance(truth, RopeAttention)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .activations import SMOOTH
 from .bert_export import read_safetensors, writable_path, write_safetensors
 
 FORMAT = "headthief-bert-encoder-1"
@@ -36,8 +37,12 @@ def encoder_tensors(blocks) -> dict[str, np.ndarray]:
     for i, b in enumerate(blocks):
         if (b.d, b.heads) != (d, H):
             raise ValueError(f"block {i} has d={b.d}, heads={b.heads}; block 0 has d={d}, heads={H}")
-        if b.activation != "gelu":
-            raise ValueError(f"block {i} uses {b.activation}: a BertModel's blocks use GELU")
+        if b.activation != blocks[0].activation:
+            raise ValueError(f"block {i} uses {b.activation}, block 0 {blocks[0].activation}: a BertModel's blocks "
+                             "share one hidden_act")
+        if b.activation not in SMOOTH:
+            raise ValueError(f"block {i} uses {b.activation}: a BertModel's hidden_act here is one of "
+                             f"{', '.join(SMOOTH)}")
         for k, v in b.state_dict().items():
             out[f"encoder.layer.{i}.{k}"] = np.ascontiguousarray(v, dtype=np.float32)
     return out
@@ -50,7 +55,8 @@ def save_bert_encoder(blocks, path, *, metadata: dict | None = None) -> dict[str
     blocks = list(blocks)
     tensors = encoder_tensors(blocks)
     reserved = {"format": FORMAT, "layers": str(len(blocks)), "heads": str(blocks[0].heads),
-                "hidden_size": str(blocks[0].d), "intermediate_size": str(blocks[0].ffn)}
+                "hidden_size": str(blocks[0].d), "intermediate_size": str(blocks[0].ffn),
+                "hidden_act": SMOOTH[blocks[0].activation].hf}
     write_safetensors(tensors, path, reserved, metadata)
     return {"path": str(path), "layers": len(blocks), "tensors": len(tensors)}
 

@@ -22,6 +22,9 @@
   LayerNorm): every layer's hidden states concatenated per position (``all``, d_out = 7 x 384, as
   ``output_hidden_states=True`` returns them) or only the last (``last``, d_out = 384).
 
+``bert-encoder:...`` (below, registered with its options) takes ``act=A`` as ``bert-block`` does: every block
+with that activation.
+
 Every one answers a vector at every position (``output="all"``). ``truth`` is the numpy model in float64
 (the same weights; for the float32 targets, their float32 values): a
 :class:`~headthief.models.bert_block.BertBlock` or :class:`~headthief.models.bert_block.Encoder`, for
@@ -246,7 +249,8 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
 
     from ..models.bert_block import random_encoder
     from ..oracles.base import ModelOracle
-    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden", "dtype"})
+    from ..models.bert_block import ACTIVATIONS
+    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden", "dtype", "act"})
     d = _int(opts, "d", lo=4)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -261,8 +265,11 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
     dtype = opts.get("dtype", "float64")
     if dtype not in ("float64", "float32"):
         raise SpecError(f"dtype={dtype!r}: use float64 (default) or float32")
+    act = opts.get("act", "gelu")
+    if act not in ACTIVATIONS:
+        raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or one of {', '.join(ACTIVATIONS[1:])}")
     check_size(spec, L * (4 * d * d + 2 * d * M) + P * d)
-    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden, dtype=getattr(np, dtype))
+    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden, dtype=getattr(np, dtype), activation=act)
     return Target(spec=spec, d=d, bias=True, truth=enc, output="all", d_out=enc.d_out,
                   make_oracle=lambda **kw: ModelOracle(enc, **kw),
                   info={"heads": H, "head_dim": d // H, "ffn": M, "layers": L, "positions": P, "hidden": hidden,
@@ -271,7 +278,7 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
 
 
 register(TargetKind("bert-encoder", "bert-encoder:d=D,heads=H,ffn=M,layers=L[,seed=S][,positions=P][,hidden=all|last]"
-                    "[,dtype=float32]",
+                    "[,dtype=float32][,act=A]",
                     "a seeded random BERT encoder (embeddings' sum and LayerNorm, then L post-LN blocks; float64, or "
                     "float32 as MiniLM answers) queried with inputs_embeds, answering every layer's hidden states "
                     "(hidden=all, default) or "

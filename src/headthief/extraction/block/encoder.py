@@ -269,7 +269,7 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
 
 
 def _fit_block(oracle: Oracle, paths: _Paths, k: int, ln, ivs: ImageValueSum, rng, eps: float, coarse: bool,
-               fit_pairs, *, heads: int, ffn: int, length: int, verify: int):
+               fit_pairs, *, heads: int, ffn: int, length: int, verify: int, activation: str = "gelu"):
     """One try of block k past stage V: stage F's part (fresh points), the start, the two fits on
     ``fit_pairs()`` (the same pairs on every try), and the fidelity on fresh forward sequences of 1 to
     ``length`` tokens."""
@@ -279,7 +279,8 @@ def _fit_block(oracle: Oracle, paths: _Paths, k: int, ln, ivs: ImageValueSum, rn
     # parameter
     try:
         part = extract_ffn_on_image(oracle, ln, rng, ffn=ffn, reader=_ffn_reader(paths, k, ln, ivs, eps),
-                                    start=k > 0 or coarse, points=POINTS * (ffn + 1), precision=eps)
+                                    start=k > 0 or coarse, points=POINTS * (ffn + 1), precision=eps,
+                                    activation=activation)
     except (ConvergenceError, NotIdentifiable) as e:
         raise type(e)(f"block {k}, stage F: {e}") from e
     start = start_block(ln, ivs, part, heads, rng)
@@ -310,15 +311,17 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
 
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
-                    positions: int | None = None, progress=None) -> EncoderExtraction:
+                    positions: int | None = None, progress=None, activation: str = "gelu") -> EncoderExtraction:
     """Stage E, then every block from forward paths (module docstring). ``oracle``: an encoder API answering
     ``(layers + 1) d`` numbers per position (every layer's hidden states), float64. A refusal of the model
     class first asks one sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): an
-    encoder left in training mode (dropout) is refused as that, not as an encoder without LayerNorms."""
+    encoder left in training mode (dropout) is refused as that, not as an encoder without LayerNorms.
+    ``activation``: the blocks' FFN activation (:mod:`headthief.models.activations`, GELU by default)."""
     from ..precision import refuse_if_random
     try:
         return _extract_encoder(oracle, layers=layers, heads=heads, ffn=ffn, rng=rng, length=length, verify=verify,
-                                check=check, check_rng=check_rng, positions=positions, progress=progress)
+                                check=check, check_rng=check_rng, positions=positions, progress=progress,
+                                activation=activation)
     except ModelMismatch as e:
         refuse_if_random(oracle, e, what="The encoder method")
         raise
@@ -326,9 +329,12 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
 
 def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int,
                      length: int, verify: int, check: bool, check_rng, positions: int | None,
-                     progress) -> EncoderExtraction:
+                     progress, activation: str = "gelu") -> EncoderExtraction:
     """:func:`extract_encoder`'s stages."""
+    from .extract import activation_named
     rng = np.random.default_rng(rng)
+    act_name = activation_named(activation)
+    model = MODEL if act_name == "gelu" else MODEL.replace("then blocks", f"then blocks with a {act_name} FFN")
     d = oracle.d
     if not oracle.output.vector or oracle.d_out != (layers + 1) * d:
         raise SpecError(f"--method encoder needs every layer's hidden states ((layers + 1) x d = {(layers + 1) * d} "
@@ -399,7 +405,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                 ivs = retrying(lambda: _value_sum(paths, k, image, rng, eps), settled_mismatch=True)
                 block, part, first, fit, fid = _fit_block(oracle, paths, k, ln, ivs, rng, eps, coarse, fit_pairs,
                                                           heads=int(heads), ffn=int(ffn), length=length,
-                                                          verify=verify)
+                                                          verify=verify, activation=act_name)
             except (ConvergenceError, ModelMismatch, NotIdentifiable) as e:
                 # stage V's or F's fit did not settle, a fit could not improve its start, or stage V's fits
                 # all settled above the threshold
@@ -473,7 +479,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
     from ..precision import ModelCheck
     res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=ck.spent(),
                             seconds=time.perf_counter() - t0, per_block=tuple(per),
-                            diagnostics={"blocks": figures, "embedding_residual": emb.residual,
+                            diagnostics={"blocks": figures, "embedding_residual": emb.residual, "activation": act_name,
                                          **{f"queries_block_{i}": f["queries"] for i, f in enumerate(figures)},
                                          **{f"fidelity_block_{i}": f["fidelity"] for i, f in enumerate(figures)},
                                          **{f"fit_attempts_block_{i}": f["fit_attempts"]
@@ -483,7 +489,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                                                    "a start that satisfies stage V); the rest by the stages' algebra",
                                          **cost(oracle, before)})
     if not check:
-        return dataclasses.replace(res, check=ModelCheck("unchecked", MODEL, detail="the model check was skipped"))
+        return dataclasses.replace(res, check=ModelCheck("unchecked", model, detail="the model check was skipped"))
     fid = res.verify(oracle, verify, rng=rng if check_rng is None else np.random.default_rng(check_rng))
     parts = max(max(f["insample"] for f in figures), 30.0 * worst_eps, 1e-13)
     limit = CHECK_FACTOR * parts
@@ -493,7 +499,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
     if fid.max_rel_err > limit:
         raise ModelMismatch(f"the reassembled encoder does not answer like the target: {detail}",
                             check="fresh sequences (encoder)", figure=fid.max_rel_err, threshold=limit)
-    return dataclasses.replace(res, check=ModelCheck("pass", MODEL, answers=kind.describe(), figure=fid.max_rel_err,
+    return dataclasses.replace(res, check=ModelCheck("pass", model, answers=kind.describe(), figure=fid.max_rel_err,
                                                      threshold=limit, verify_queries=fid.queries, detail=detail))
 
 
