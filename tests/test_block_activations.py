@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from _grad import numeric_grad as _numeric_grad
 
 import headthief as ht
 from headthief.errors import SpecError
@@ -42,15 +43,6 @@ def test_an_unknown_activation_is_refused_by_name():
         ht.extract(f"{SPEC},seed=1", "block", activation="relu")
     with pytest.raises(SpecError, match="activation"):           # a setting the method does not read
         ht.extract("mha:d=8,heads=2,seed=1,output=all", "vector", activation="silu")
-
-
-def _numeric_grad(f, theta, h=1e-6):
-    g = np.zeros_like(theta)
-    for i in range(theta.size):
-        e = np.zeros_like(theta)
-        e[i] = h
-        g[i] = (f(theta + e) - f(theta - e)) / (2 * h)
-    return g
 
 
 @pytest.mark.parametrize("name", ["gelu_tanh", "silu"])

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from _grad import numeric_grad as _numeric_grad
 
 import headthief as ht
 from headthief.extraction.block import block_refit, one_token_refit
@@ -16,15 +17,6 @@ from headthief.extraction.block.ffn import predict_one_token
 from headthief.extraction.block.layernorm import fit_output_layernorm
 from headthief.extraction.block.value_sum import centre
 from headthief.models.bert_block import random_block
-
-
-def _numeric_grad(f, theta, h=1e-6):
-    g = np.zeros_like(theta)
-    for i in range(theta.size):
-        e = np.zeros_like(theta)
-        e[i] = h
-        g[i] = (f(theta + e) - f(theta - e)) / (2 * h)
-    return g
 
 
 def test_one_token_loss_gradient_is_exact():
