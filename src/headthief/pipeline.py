@@ -86,7 +86,7 @@ class Options:
     stage_f: str = "auto"
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
-    activation: str = "gelu"          # block: the FFN's activation (models.activations.SMOOTH)
+    activation: str = "gelu"          # block, encoder: the FFN's activation (models.activations.SMOOTH)
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16

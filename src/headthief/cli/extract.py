@@ -58,7 +58,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="block: stage F from full tangent Jacobians or from probe Jacobians (a quarter of the "
                         "queries or fewer from d = 64 at ffn = 4 d); auto (default) takes probes where they save that")
     e.add_argument("--activation", default="gelu", choices=tuple(SMOOTH),
-                   help="block: the FFN's activation the method assumes: gelu (BERT's exact, erf form; the default), "
+                   help="block, encoder: the FFN's activation the method assumes: gelu (BERT's exact, erf form; the "
+                        "default), "
                         "gelu_tanh (transformers' gelu_new / gelu_pytorch_tanh: GPT-2, ALBERT), silu, quick_gelu. A "
                         "block whose answers another explains is refused (exit 5), as a ReLU block is")
     e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
