@@ -58,6 +58,10 @@ from .arithmetic import MAX_TFLOP, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
+SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
+CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
+RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above F+'s in-sample rms...
+A_TRIES = 3           # ...at most this many stage A draws in all (their queries count in stage R's)
 
 
 def model_of(activation: str) -> str:
@@ -73,10 +77,6 @@ def activation_named(name: str) -> str:
     except ValueError as e:
         raise SpecError(f"--activation: {e}") from None
     return name
-SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
-CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
-RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above F+'s in-sample rms...
-A_TRIES = 3           # ...at most this many stage A draws in all (their queries count in stage R's)
 
 
 @dataclass(frozen=True, eq=False)

@@ -577,10 +577,9 @@ def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8,
 
     from ...models.activations import activation
     f = activation(act)
-    gelu_prime = f.prime
     nodes = []
     for a in np.concatenate([-np.geomspace(0.02, 50, 41), np.geomspace(0.02, 50, 41)]):
-        F = gelu_prime(a * xi[None, :] + np.linspace(-6, 6, 49)[:, None])          # (betas, T)
+        F = f.prime(a * xi[None, :] + np.linspace(-6, 6, 49)[:, None])          # (betas, T)
         den = np.einsum("bt,bt->b", F, F)
         k = (F @ rho) / np.maximum(den, 1e-300)
         r = np.linalg.norm(k[:, None] * F - rho[None, :], axis=1)
@@ -589,12 +588,12 @@ def _profile_fit(xi: np.ndarray, rho: np.ndarray, starts: int = 8,
     nodes.sort()
 
     def res(p):
-        return p[2] * gelu_prime(p[0] * xi + p[1]) - rho
+        return p[2] * f.prime(p[0] * xi + p[1]) - rho
 
     def jac(p):                                 # GELU''(s) = phi(s) (2 - s^2), and the others' f''
         s = p[0] * xi + p[1]
         g2 = p[2] * f.second(s)
-        return np.column_stack([g2 * xi, g2, gelu_prime(s)])
+        return np.column_stack([g2 * xi, g2, f.prime(s)])
 
     half = -(-starts // 2)
     chosen = [n for n in nodes if n[1] < 0][:half] + [n for n in nodes if n[1] > 0][:half]
