@@ -230,3 +230,33 @@ def test_an_encoder_file_takes_one_hidden_act_for_every_block():
     with pytest.raises(ValueError, match="share one hidden_act"):
         encoder_tensors([a, b])
     assert len(encoder_tensors([a, random_block(8, 2, 8, seed=52, activation="silu")])) == 2 * len(a.state_dict())
+
+
+def test_auto_reads_the_activation_class_from_stage_f_in_float64_at_no_extra_query():
+    """``--activation auto``: the neurons' profiles fitted with GELU, its tanh form and SiLU; the right class
+    fits to the Jacobians' precision, the others 1e-3 or worse (measured: 6e-11 against 1.2e-3 and 0.08)."""
+    fixed = ht.extract(f"{SPEC},seed=53,act=gelu_tanh", "block", activation="gelu_tanh", verify=32)
+    rep = ht.extract(f"{SPEC},seed=53,act=gelu_tanh", "block", activation="auto", verify=32)
+    r = rep.row
+    assert rep.exit_code == 0 and r["activation"] == "gelu_tanh" and r["activation_assumed"] == "auto"
+    assert r["queries"] == fixed.row["queries"] and r["W1_rel_err"] <= 1e-8
+    fits = dict(item.split() for item in r["activation_fits"].split(", "))
+    assert float(fits["gelu_tanh"]) * 1e3 < min(float(fits["gelu"]), float(fits["silu"]))
+    assert rep.result.ffn.info.get("activation_alternatives") is None       # not carried past stage F
+
+
+def test_auto_in_float32_refits_gelu_and_its_tanh_form_and_keeps_the_better():
+    """float32 profiles fit GELU and its tanh form within 3x of each other; both are refitted to the same
+    one-token answers and the lower rms kept (measured: 1.3e-7 against 3.6e-5)."""
+    rep = ht.extract(f"{SPEC},seed=54,act=gelu_tanh,dtype=float32", "block", activation="auto", verify=32)
+    r = rep.row
+    assert rep.exit_code == 0 and r["activation"] == "gelu_tanh"
+    refits = dict(item.split() for item in r["one_token_activation_refits"].split(", "))
+    assert set(refits) == {"gelu", "gelu_tanh"} and 10 * float(refits["gelu_tanh"]) < float(refits["gelu"])
+
+
+def test_auto_is_refused_where_stage_f_does_not_read_it_before_any_query():
+    for spec, method in (("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "block"),
+                         ("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1", "encoder")):
+        rep = ht.extract(spec, method, activation="auto", raise_errors=False)
+        assert rep.exit_code == 2 and "auto" in rep.error and rep.row.get("queries_sent", 0) == 0

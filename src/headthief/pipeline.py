@@ -282,8 +282,8 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         raise SpecError(f"--stage-f must be auto, full or probes, got {opts.stage_f!r}")
     if opts.activation != "gelu":
         from .models.activations import SMOOTH
-        if opts.activation not in SMOOTH:
-            raise SpecError(f"--activation must be one of {', '.join(SMOOTH)}, got {opts.activation!r}")
+        if opts.activation not in (*SMOOTH, "auto"):
+            raise SpecError(f"--activation must be one of {', '.join(SMOOTH)} or auto, got {opts.activation!r}")
     if not opts.max_tflop > 0:                 # NaN too
         raise SpecError(f"--max-tflop must be > 0, got {opts.max_tflop}")
     if opts.refit_device not in (None, "numpy"):

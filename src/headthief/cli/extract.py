@@ -57,11 +57,12 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--stage-f", dest="stage_f", default="auto", choices=("auto", "full", "probes"),
                    help="block: stage F from full tangent Jacobians or from probe Jacobians (a quarter of the "
                         "queries or fewer from d = 64 at ffn = 4 d); auto (default) takes probes where they save that")
-    e.add_argument("--activation", default="gelu", choices=tuple(SMOOTH),
+    e.add_argument("--activation", default="gelu", choices=(*SMOOTH, "auto"),
                    help="block, encoder: the FFN's activation the method assumes: gelu (BERT's exact, erf form; the "
                         "default), "
                         "gelu_tanh (transformers' gelu_new / gelu_pytorch_tanh: GPT-2, ALBERT), silu, quick_gelu. A "
-                        "block whose answers another explains is refused (exit 5), as a ReLU block is")
+                        "block whose answers another explains is refused (exit 5), as a ReLU block is. auto (block, "
+                        "free inputs): each class fitted at stage F (and, in float32, refitted), the best kept")
     e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
                    help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
                         "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "

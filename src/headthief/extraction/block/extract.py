@@ -52,7 +52,7 @@ from .layernorm import OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
 from .torch_losses import check_device
-from .one_token_refit import model_jacobian, refit_from_oracle
+from .one_token_refit import model_jacobian, refit_from_oracle, refit_one_token
 from .smoothness import check_smooth_activation
 from .arithmetic import MAX_TFLOP, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
@@ -69,9 +69,15 @@ def model_of(activation: str) -> str:
     return MODEL if activation == "gelu" else MODEL.replace("GELU FFN", f"{activation} FFN")
 
 
-def activation_named(name: str) -> str:
-    """``name`` if it is a smooth activation of :mod:`headthief.models.activations`, else a :class:`SpecError`."""
+def activation_named(name: str, auto: bool = False) -> str:
+    """``name`` if it is a smooth activation of :mod:`headthief.models.activations` (or ``auto``, where
+    ``auto``), else a :class:`SpecError`."""
     from ...models.activations import activation
+    if name == "auto":
+        if auto:
+            return name
+        raise SpecError("--activation auto is read by --method block on free inputs only (stage F fits every "
+                        "candidate's profiles there); name the activation here")
     try:
         activation(name)
     except ValueError as e:
@@ -377,7 +383,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         raise SpecError(f"--method block needs the FFN's width (--ffn M, M >= 1), got {ffn}")
     probes = _probes(d, int(ffn), stage_f)
     device = check_device(refit_device)           # before the first query
-    act = activation_named(activation)
+    act = activation_named(activation, auto=True)
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
@@ -490,12 +496,28 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                             **after_span)
 
             describe("F+ one-token refit")
+            ln0, vs0 = ln, vs
             part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale,
                                                           start=st.get("fplus"), checkpoint=keep_f, device=device,
                                                           progress=fit_progress("F+ one-token refit"),
                                                           history=st.get("fplus_history"))
             if "fplus" in st:
                 refit["resumed_from_evaluation"] = st["fplus_calls"]
+            # --activation auto: float32 profiles do not separate GELU from its tanh form (measured); every
+            # candidate that fitted them nearly as well is refitted to the same one-token answers, the lowest rms
+            # kept (a wrong class ends 100x or more above a right one's: the block refit's noise check, measured)
+            alts = st["span"].info.get("activation_alternatives") or {}
+            rms = {part.activation: refit["refit_rms_after"]}
+            for other, alt in alts.items():
+                describe(f"F+ one-token refit ({other}, --activation auto)")
+                got = refit_one_token(alt, ln0, vs0, *ones, rng=rng, device=device,
+                                      progress=fit_progress(f"F+ one-token refit ({other})"))
+                rms[other] = got[3]["refit_rms_after"]
+                if rms[other] < min(v for k, v in rms.items() if k != other):
+                    part, ln, vs = got[:3]
+                    refit = {**got[3], "refit_queries": refit["refit_queries"]}
+            if alts:
+                refit["activation_refits"] = ", ".join(f"{k} {v:.2g}" for k, v in rms.items())
         try:
             one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
         except ModelMismatch as e:
@@ -511,6 +533,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                                                           progress=fit_progress("F+ one-token refit"))
             refit["after_check"] = float(e.figure)
             one = check_one_token(oracle, part, ln, vs, rng, precision=eps_f, scale=scale)
+        part = dataclasses.replace(part, info={k: v for k, v in part.info.items() if k != "activation_alternatives"})
         mark("F", q0)
         st = {k: v for k, v in st.items() if k not in ("span", "fplus", "fplus_calls", "fplus_history", "f_start")}
         st = {**st, "ln": ln, "vs": vs, "part": part, "refit": refit, "ones": ones, "one": one}
@@ -577,7 +600,9 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     Yh = np.asarray(block.forward(X_ln)).reshape(-1, d)
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = ck.spent()
-    diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps, "activation": act,
+    diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
+            "activation": block.activation, "activation_assumed": act,
+            "activation_fits": part.info.get("activation_fits"),
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "stage_f_reads": 1 + len(part.info.get("retried", [])),

@@ -30,7 +30,7 @@ fresh one-token queries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.linalg
@@ -752,12 +752,26 @@ def coefficients(lifted: np.ndarray, gam: np.ndarray, pairs, probes: np.ndarray 
     return coef
 
 
+AUTO = ("gelu", "gelu_tanh", "silu")   # activation="auto": one of each class (quick_gelu is silu's, rescaled)
+AMBIGUOUS = 3.0                         # auto: candidates whose profile fits end within this factor of the best
+
+
 def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns: np.ndarray, info: dict,
                   activation: str = "gelu") -> FFNPart:
     """Steps 4 and 5 of the module docstring: neuron k's output direction ``us[k]`` and input direction
     ``zs[k]`` (any scale), its coefficient ``coef[k + 1]`` over gamma's ``coef[0]`` at every point (unit ``ms``,
     answers' unit ``ns``) -> its profile ``f'`` (scale, bias; f the ``activation``), then the linear remainder
-    ``c``."""
+    ``c``. ``activation="auto"``: the profiles fitted with each of :data:`AUTO`, the part of the best fit kept
+    (worst relative residual over the neurons; ``info["activation_fits"]`` has every candidate's), and the
+    parts of candidates within :data:`AMBIGUOUS` of it in ``info["activation_alternatives"]`` (float32
+    profiles do not separate GELU from its tanh form: the one-token refit decides, :mod:`.extract`)."""
+    if activation == "auto":
+        parts = {name: assemble_part(gam, us, zs, coef, ms, ns, info, name) for name in AUTO}
+        fits = {name: float(p.info["profile_fit_worst"]) for name, p in parts.items()}
+        best = min(fits, key=fits.get)
+        close = {n: p for n, p in parts.items() if n != best and fits[n] <= AMBIGUOUS * fits[best]}
+        return replace(parts[best], info={**parts[best].info, "activation_alternatives": close,
+                                          "activation_fits": ", ".join(f"{n} {v:.2g}" for n, v in fits.items())})
     from ...models.activations import activation as act_of
     gelu = act_of(activation).f
     T, d = ms.shape
