@@ -11,7 +11,8 @@
 Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
 the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
 ``--act A`` gives the blocks another smooth activation (``bert-block:...,act=A``) and the method assumes it
-(``--activation A``); with ``--assume B`` (another) it counts the seeds refused with exit 5 instead.
+(``--activation A``); with ``--assume B`` (another) it counts the seeds refused with exit 5 instead; with
+``--assume auto`` a seed counts only where the activation read (the row's ``activation``) is A.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
                     help="the activation the method assumes (headthief extract --activation; default: --act)")
     args = ap.parse_args()
     assume = args.assume or args.act
-    refusal = assume != args.act
+    refusal = assume not in (args.act, "auto")
     within = args.within if args.within is not None else (1e-8 if args.dtype == "float64" else 1e-4)
     print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit")
     ok = 0
@@ -61,6 +62,8 @@ def main() -> None:
             args.dtype == "float64" or (fid is not None and fid <= within))
         if refusal:
             good = rep.exit_code == 5
+        elif assume == "auto":                   # the class read from the answers must be the block's
+            good = good and r.get("activation") == args.act
         ok += good
         cells = " ".join(f"{e:8.1e}" if e is not None else "       -" for e in errs)
         print(f"{seed:4d} {cells}  {fid if fid is None else f'{fid:8.1e}'} {r.get('queries', r.get('queries_sent', 0)):8d} "
