@@ -461,22 +461,22 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             def read_f(**points):
                 return route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
                              activation=act, found_progress=neuron_progress, **points)
-            missed = []
+            missed, base = [], default_points(d, int(ffn))
             for more in (1, 2, 4):
                 # float32 answers on the full route: a span whose neurons are not all found is read again from
                 # 2x, then 4x as many fresh points (measured: transformers' float32 SiLU BertLayer, d = 16, FFN
                 # 32, PyTorch's init: "found 7 of 32 neurons" at 165 points; a weakly curved FFN in float32)
                 try:
-                    span_part = read_f(**({} if more == 1 else {"points": more * default_points(d, int(ffn))}))
+                    span_part = read_f(**({} if more == 1 else {"points": more * base}))
                     break
                 except (ConvergenceError, NotIdentifiable) as e:
                     if probes or not coarse or isinstance(e, NearlyLinearFFN):
                         raise
                     if more == 4:
-                        raise type(e)(f"{e} (stage F read three times, from {default_points(d, int(ffn))}, 2x and 4x "
-                                      f"as many fresh points; the first two: {'; '.join(missed)})") from e
+                        raise type(e)(f"{e} (stage F read three times, from {base}, 2x and 4x as many fresh points; "
+                                      f"the first two: {'; '.join(missed)})") from e
                     missed.append(str(e))
-                    describe(f"{name}, again at {2 * more * default_points(d, int(ffn))} fresh points ({e})")
+                    describe(f"{name}, again at {2 * more * base} fresh points ({e})")
             span_part = dataclasses.replace(span_part, info={**span_part.info, "retried": missed})
             st = {**st, "span": span_part, "f_start": f_start}
             if coarse:
