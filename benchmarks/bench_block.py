@@ -7,12 +7,16 @@
     python benchmarks/bench_block.py --d 16 --ffn 32 --seeds 8000 8020 --stage-f probes
     python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --dtype float32   # --activation
     python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --assume gelu     # must refuse
+    python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --ln-eps 1e-5 --dtype float32      # --ln-eps
 
 Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
 the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
 ``--act A`` gives the blocks another smooth activation (``bert-block:...,act=A``) and the method assumes it
 (``--activation A``); with ``--assume B`` (another) it counts the seeds refused with exit 5 instead; with
-``--assume auto`` a seed counts only where the activation read (the row's ``activation``) is A.
+``--assume auto`` a seed counts only where the activation read (the row's ``activation``) is A. ``--ln-eps E``
+gives the blocks' LayerNorms eps E (``bert-block:...,ln_eps=E``) and tells the method (``--ln-eps E``; ``--tell
+F`` tells it F instead): the float32 route, so a seed counts within 1e-4 for float64 answers too, and the
+eps fitted is printed.
 """
 
 from __future__ import annotations
@@ -42,24 +46,31 @@ def main() -> None:
     ap.add_argument("--act", default="gelu", help="the blocks' FFN activation (bert-block:act=...)")
     ap.add_argument("--assume", default=None,
                     help="the activation the method assumes (headthief extract --activation; default: --act)")
+    ap.add_argument("--ln-eps", dest="ln_eps", type=float, default=None,
+                    help="the blocks' LayerNorm eps (bert-block:ln_eps=...), told to the method (--ln-eps)")
+    ap.add_argument("--tell", type=float, default=None, help="the eps told to the method instead of --ln-eps")
     args = ap.parse_args()
     assume = args.assume or args.act
+    told = args.tell if args.tell is not None else args.ln_eps
     refusal = assume not in (args.act, "auto")
-    within = args.within if args.within is not None else (1e-8 if args.dtype == "float64" else 1e-4)
-    print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit")
+    exact = args.dtype == "float64" and told is None
+    within = args.within if args.within is not None else (1e-8 if exact else 1e-4)
+    print("seed " + " ".join(f"{s:>8s}" for s in SHORT) + "  fidelity  queries     sec  exit" + (
+        "  eps fitted" if told is not None else ""))
     ok = 0
     seeds = range(*args.seeds)
     for seed in seeds:
         spec = f"bert-block:d={args.d},heads={args.heads},ffn={args.ffn},seed={seed}" + (
             f",dtype={args.dtype}" if args.dtype != "float64" else "") + (
-            f",act={args.act}" if args.act != "gelu" else "")
+            f",act={args.act}" if args.act != "gelu" else "") + (
+            f",ln_eps={args.ln_eps:g}" if args.ln_eps is not None else "")
         t = time.perf_counter()
-        rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f, activation=assume)
+        rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f, activation=assume, ln_eps=told)
         r = rep.row
         errs = [r.get(k) for k in PARTS]
         fid = r.get("fidelity_max_rel_err")
         good = rep.exit_code == 0 and all(e is not None and e <= within for e in errs) and (
-            args.dtype == "float64" or (fid is not None and fid <= within))
+            exact or (fid is not None and fid <= within))
         if refusal:
             good = rep.exit_code == 5
         elif assume == "auto":                   # the class read from the answers must be the block's
@@ -67,11 +78,12 @@ def main() -> None:
         ok += good
         cells = " ".join(f"{e:8.1e}" if e is not None else "       -" for e in errs)
         print(f"{seed:4d} {cells}  {fid if fid is None else f'{fid:8.1e}'} {r.get('queries', r.get('queries_sent', 0)):8d} "
-              f"{time.perf_counter() - t:7.1f}  {rep.exit_code}" + (f"  {rep.error}" if rep.error else ""), flush=True)
+              f"{time.perf_counter() - t:7.1f}  {rep.exit_code}" + (f"  {r.get('ln_eps', 0):10.3g}" if told else "")
+              + (f"  {rep.error}" if rep.error else ""), flush=True)
     if refusal:
         print(f"{args.act} blocks with {assume} assumed, refused with exit 5: {ok}/{len(seeds)}")
         return
-    print(f"every part within {within:g}" + ("" if args.dtype == "float64" else " and the fidelity too")
+    print(f"every part within {within:g}" + ("" if exact else " and the fidelity too")
           + f": {ok}/{len(seeds)}")
 
 

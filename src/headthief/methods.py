@@ -398,6 +398,9 @@ def _run_block(oracle, target, args, progress, clean=None):
             raise SpecError("--method block on a previous LayerNorm's image needs the head count: give --heads H")
         if getattr(args, "stage_f", "auto") != "auto":
             raise SpecError("--stage-f applies to free inputs only: on the image stage F reads full Jacobians")
+        if getattr(args, "ln_eps", None) is not None:
+            raise SpecError("--ln-eps applies to free inputs only: on a previous LayerNorm's image the block method "
+                            "assumes BERT's 1e-12 (not built for another eps)")
         kw = check_kw(args)
         return extract_block_on_image(oracle, LayerNormImage(np.array(image["gamma"]), np.array(image["beta"])),
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
@@ -407,14 +410,15 @@ def _run_block(oracle, target, args, progress, clean=None):
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
                          max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),
                          refit_device=getattr(args, "refit_device", None),
-                         activation=getattr(args, "activation", "gelu"))
+                         activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None))
 
 
 def _expected_block(target, args):
-    from .extraction.block.extract import expected_queries
+    from .extraction.block.extract import LN_EPS_EXACT, expected_queries
     _, ffn = _block_sizes(target, args)
     f32 = str(((target.info or {}) if target is not None else {}).get("dtype", "float64")) == "float32"
-    return expected_queries(target.d, ffn, f32, stage_f=getattr(args, "stage_f", "auto")) if ffn else None
+    loose = getattr(args, "ln_eps", None) is not None and float(args.ln_eps) > LN_EPS_EXACT
+    return expected_queries(target.d, ffn, f32, stage_f=getattr(args, "stage_f", "auto"), ln_eps=loose) if ffn else None
 
 
 METHODS["block"] = Method(

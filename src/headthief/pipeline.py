@@ -87,6 +87,7 @@ class Options:
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
     activation: str = "gelu"          # block, encoder: the FFN's activation (models.activations.SMOOTH)
+    ln_eps: float | None = None       # block: the LayerNorms' eps (None: BERT's 1e-12), fitted from this start
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -132,7 +133,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
     "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
-    "refit_device": {"block"}, "activation": {"block", "encoder"},
+    "refit_device": {"block"}, "activation": {"block", "encoder"}, "ln_eps": {"block"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},
@@ -284,6 +285,9 @@ def validate(opts: Options, methods: Mapping[str, Any]) -> None:
         from .models.activations import SMOOTH
         if opts.activation not in (*SMOOTH, "auto"):
             raise SpecError(f"--activation must be one of {', '.join(SMOOTH)} or auto, got {opts.activation!r}")
+    if opts.ln_eps is not None:
+        from .extraction.block.extract import ln_eps_named
+        ln_eps_named(opts.ln_eps)
     if not opts.max_tflop > 0:                 # NaN too
         raise SpecError(f"--max-tflop must be > 0, got {opts.max_tflop}")
     if opts.refit_device not in (None, "numpy"):
@@ -643,6 +647,8 @@ def fingerprint(opts: Options) -> dict:
         fp["stage_f"] = opts.stage_f
     if opts.activation != "gelu":           # likewise (stage F's checkpoints hold neurons fitted with it)
         fp["activation"] = opts.activation
+    if opts.ln_eps is not None:             # likewise (stage L's check and the precision the stages assume)
+        fp["ln_eps"] = float(opts.ln_eps)
     # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
     # every position's answer a declaration is either what stage A detects or refused there)
     return fp

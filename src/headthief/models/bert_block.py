@@ -226,7 +226,7 @@ _NAMES = ("attention.self.query.weight", "attention.self.query.bias", "attention
 
 
 def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float64, output="all",
-                 activation: str = "gelu", init: str = "trained") -> BertBlock:
+                 activation: str = "gelu", init: str = "trained", eps: float = BERT_EPS) -> BertBlock:
     """A seeded random block with the scales of a trained one, for tokens on a LayerNorm's image
     (entries O(1), norm ~sqrt(d)):
 
@@ -242,7 +242,8 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
     ``gamma = 1``, ``beta = 0``. Its attention is nearly uniform and its FFN nearly linear (pre-activations of
     std ~0.02 sqrt(d)). (A ``BertLayer`` built alone keeps PyTorch's ``Linear`` init, ``U(+-1/sqrt(fan_in))``.)
 
-    Drawn in float64 from ``default_rng(seed)`` and rounded once to ``dtype``."""
+    Drawn in float64 from ``default_rng(seed)`` and rounded once to ``dtype``; ``eps``: both LayerNorms'
+    (BERT's 1e-12 by default; RoBERTa's 1e-5)."""
     d, heads, ffn = int(d), int(heads), int(ffn)
     if d < 1 or heads < 1 or ffn < 1:
         raise ValueError(f"need d, heads, ffn >= 1, got d={d}, heads={heads}, ffn={ffn}")
@@ -262,7 +263,7 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
                              dtype=dtype)
         return BertBlock(attention=att, ln1_gamma=np.ones(d), ln1_beta=z(d), W1=w(ffn, d), b1=z(ffn),
                          W2=w(d, ffn), b2=z(d), ln2_gamma=np.ones(d), ln2_beta=z(d), output=output, dtype=dtype,
-                         activation=activation, info={"seed": int(seed), "init": "bert"})
+                         activation=activation, info={"seed": int(seed), "init": "bert"}, eps=eps)
     att = AttentionLayer(Q=g(heads, dh, d) * np.sqrt(2.0 / d), K=g(heads, dh, d) * np.sqrt(2.0 / d),
                          V=g(heads, dh, d) / np.sqrt(d), Wo=g(d, d) / np.sqrt(d),
                          bq=0.5 * g(heads, dh), bk=0.5 * g(heads, dh), bv=0.5 * g(heads, dh), bo=0.1 * g(d),
@@ -270,7 +271,7 @@ def random_block(d: int, heads: int, ffn: int, *, seed: int = 0, dtype=np.float6
     return BertBlock(attention=att, ln1_gamma=1.0 + 0.1 * g(d), ln1_beta=0.05 * g(d),
                      W1=g(ffn, d) / np.sqrt(d), b1=-0.25 + 0.5 * g(ffn), W2=g(d, ffn) / np.sqrt(ffn), b2=0.1 * g(d),
                      ln2_gamma=1.0 + 0.1 * g(d), ln2_beta=0.05 * g(d), output=output, dtype=dtype,
-                     activation=activation, info={"seed": int(seed)})
+                     activation=activation, info={"seed": int(seed)}, eps=eps)
 
 
 # --------------------------------------------------------------------------- all-MiniLM-L6-v2

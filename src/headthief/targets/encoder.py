@@ -1,6 +1,6 @@
 """Target kinds on whole BERT encoder blocks and on the whole all-MiniLM-L6-v2 encoder.
 
-* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A][,inputs=image][,init=bert]``
+* ``bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A][,inputs=image][,init=bert][,ln_eps=E]``
   — a seeded random post-LN block (:func:`headthief.models.bert_block.random_block`), numpy, float64 unless
   ``dtype=float32``;
   ``act=relu`` puts ReLU where BERT has GELU (a wrong block, for testing a method's model check);
@@ -11,7 +11,8 @@
   image (gamma ~ 1 + N(0, 0.1^2), beta ~ N(0, 0.05^2) drawn from the seed; any other token is refused) and
   publishing that LayerNorm's gamma and beta, as an encoder's hidden states reveal them; ``init=bert``:
   a layer of transformers' ``BertModel`` as built from a config (weights ``N(0, 0.02^2)``, biases 0,
-  LayerNorms 1 and 0: a nearly linear FFN).
+  LayerNorms 1 and 0: a nearly linear FFN); ``ln_eps=E``: both LayerNorms' eps (default BERT's 1e-12;
+  RoBERTa's is 1e-5), extracted with ``--ln-eps`` and refused without it.
 * ``minilm-block:layer=L`` — block L (0..5, numbered as ``minilm-layer:``) of all-MiniLM-L6-v2, numpy,
   float32 as the real model; block L maps ``hidden_states[L]`` to ``hidden_states[L+1]`` (checkpoint
   ``encoder.layer.{L}``).
@@ -48,12 +49,27 @@ def _block_info(block, **extra) -> dict[str, Any]:
             "layer_norm": f"post-LN, eps {block.eps:g}", **extra}
 
 
+def _ln_eps(opts: dict[str, str]) -> float:
+    """``ln_eps=E``: the block's LayerNorms' eps, a number in (0, 1e-2] (default BERT's 1e-12)."""
+    from ..models.bert_block import BERT_EPS
+    if "ln_eps" not in opts:
+        return BERT_EPS
+    try:
+        v = float(opts["ln_eps"])
+    except ValueError:
+        raise SpecError(f"ln_eps={opts['ln_eps']!r}: give the LayerNorms' eps as a number, e.g. ln_eps=1e-5") from None
+    if not 0.0 < v <= 1e-2:
+        raise SpecError(f"ln_eps={opts['ln_eps']}: the LayerNorms' eps must lie in (0, 0.01] (BERT's 1e-12, "
+                        "RoBERTa's 1e-5)")
+    return v
+
+
 def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> Target:
     import numpy as np
 
     from ..models.bert_block import ACTIVATIONS, INITS, random_block
     from ..oracles.base import ModelOracle
-    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs", "init"})
+    _check_keys("bert-block", opts, {"d", "heads", "ffn", "seed", "dtype", "act", "inputs", "init", "ln_eps"})
     d = _int(opts, "d", lo=1)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -77,9 +93,10 @@ def _build_bert_block(spec: str, opts: dict[str, str], ctx: dict[str, Any]) -> T
         raise SpecError(f"init={init!r}: use trained (a trained block's scales, the default) or bert (a layer of "
                         "transformers' BertModel as built from a config: weights N(0, 0.02^2), biases 0, LayerNorms 1 "
                         "and 0)")
+    ln_eps = _ln_eps(opts)
     check_size(spec, 4 * d * d + 2 * d * M)
     block = random_block(d, H, M, seed=seed, dtype=np.float32 if dtype == "float32" else np.float64, activation=act,
-                         init=init)
+                         init=init, eps=ln_eps)
     truth = block.astype(np.float64)
     published = {"init": "bert"} if init == "bert" else {}      # on both routes (it was on the free one only)
     if inputs == "image":
@@ -238,9 +255,9 @@ def hf_bert_layer(block, *, dtype=None):
 
 
 register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A]"
-                                  "[,inputs=image][,init=bert]",
+                                  "[,inputs=image][,init=bert][,ln_eps=E]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
-                    "LayerNorm; eps 1e-12) answering d-vectors at every position (numpy; act=relu: ReLU where BERT "
+                    "LayerNorm; eps 1e-12, or ln_eps=E) answering d-vectors at every position (numpy; act=relu: ReLU where BERT "
                     "has GELU; act=gelu_tanh / silu / quick_gelu: another smooth activation; inputs=image: only "
                     "tokens on a previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, "
                     "weights N(0, 0.02^2), biases 0)", _build_bert_block))

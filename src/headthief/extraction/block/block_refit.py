@@ -55,8 +55,11 @@ def gauged(block):
 
 def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu") -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads.
-    ``activation``: the FFN's (:mod:`headthief.models.activations`; GELU's arrays are reused in place)."""
+    ``activation``: the FFN's (:mod:`headthief.models.activations`; GELU's arrays are reused in place). Both
+    LayerNorms' eps is ``exp(p["leps"])`` where the fit has it (its gradient in ``grads["leps"]``), else 0
+    (BERT's 1e-12, which moves nothing the fit sees)."""
     from scipy.special import erf
+    eps = float(np.exp(p["leps"])) if "leps" in p else 0.0
     H, dh, d = p["Q"].shape
     N, T = X.shape[:2]
     sq = 1.0 / np.sqrt(dh)
@@ -82,7 +85,7 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     # every product below on positions flattened to (N*T, .): one BLAS call each (numpy's matmul on (N, T, d)
     # stacks loops over N, 1.6 - 1.7x slower measured at MiniLM's size, and per token for one-token groups)
     zc = z.transpose(0, 2, 1, 3).reshape(N * T, H * dh)
-    n1, r1 = normalize(Xf + zc @ p["Wo"].T + p["bo"])
+    n1, r1 = normalize(Xf + zc @ p["Wo"].T + p["bo"], eps)
     zz = n1 * p["g1"]
     s = zz @ p["W1"].T + p["b1"]
     if activation == "gelu":
@@ -91,11 +94,13 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     else:
         from ...models.activations import value_and_prime
         g, Phi = value_and_prime(activation, s)                             # Phi: f'(s)
-    n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"])
+    n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"], eps)
     res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
     L = 0.5 * float(np.sum(res * res))
     grads["g2"] += np.sum(res * n2, axis=0)
     grads["be2"] += res.sum(axis=0)
+    if "leps" in p:                   # dL/d eps = -sum (dn . n) / (2 r^2) per LayerNorm, times eps for log eps
+        grads["leps"] += -0.5 * eps * float(np.sum(np.sum(res * p["g2"] * n2, axis=-1) / r2[:, 0] ** 2))
     du = normalize_back(res * p["g2"], n2, r2)
     if activation == "gelu":
         s *= np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi))            # s is not needed past here
@@ -107,6 +112,8 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     grads["b1"] += ds.sum(axis=0)
     dzz = du + ds @ p["W1"]
     grads["g1"] += np.sum(dzz * n1, axis=0)
+    if "leps" in p:
+        grads["leps"] += -0.5 * eps * float(np.sum(np.sum(dzz * p["g1"] * n1, axis=-1) / r1[:, 0] ** 2))
     dpre = normalize_back(dzz * p["g1"], n1, r1)
     grads["bo"] += dpre.sum(axis=0)
     grads["Wo"] += dpre.T @ zc
@@ -129,15 +136,18 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
 def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None,
                   activation: str = "gelu") -> tuple[float, np.ndarray]:
     """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient with
-    respect to the parameters in ``shapes`` (``fixed``: the others' values; ``activation``: the FFN's)."""
+    respect to the parameters in ``shapes`` (``fixed``: the others' values; ``activation``: the FFN's; a
+    parameter ``leps``: the LayerNorms' log eps, :func:`_group_loss`)."""
     p = {**(fixed or {}), **unpack(theta, shapes)}
-    grads = {k: np.zeros(np.shape(p[k])) for k in NAMES}
+    grads = {k: np.zeros(np.shape(p[k])) for k in (*NAMES, "leps") if k in p}
     L = sum(_group_loss(p, X, Y, grads, activation) for X, Y in groups)
     return L, pack(grads, shapes)
 
 
 def _with(block, p: dict):
-    """``block`` with the parameters ``p`` (:func:`params_of`'s names)."""
+    """``block`` with the parameters ``p`` (:func:`params_of`'s names; ``leps``: its LayerNorms' log eps)."""
+    if "leps" in p:
+        block = dataclasses.replace(block, eps=float(np.exp(p["leps"])))
     att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
                               V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
     return dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
@@ -147,7 +157,7 @@ def _with(block, p: dict):
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
                 rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None,
-                device: str | None = None, history: list[float] | None = None):
+                device: str | None = None, history: list[float] | None = None, fit_eps: bool = False):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
@@ -158,11 +168,13 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     and the loss after every iteration so far every ``CHECKPOINT_EVERY`` evaluations (a long refit's progress
     kept where the caller wants it; ``history`` given back resumes the fit's iteration count and stopping rule:
     :func:`.lbfgs.minimize_in_chunks`). ``device``: a torch device for the loss and its gradient
-    (:mod:`.torch_losses`; None: numpy)."""
+    (:mod:`.torch_losses`; None: numpy). ``fit_eps``: the LayerNorms' eps is fitted too (as log eps, from the
+    block's own; info ``block_refit_ln_eps``); else the loss leaves it out (BERT's 1e-12 moves nothing here;
+    RoBERTa's 1e-5 moves the answers by ~5e-6, 100x float32's rounding)."""
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     block = gauged(block)               # the loss's gauges (module docstring); the same answers
-    start = params_of(block)
-    shapes = {k: np.shape(start[k]) for k in NAMES if k in free}
+    start = {**params_of(block), **({"leps": np.log(float(block.eps))} if fit_eps else {})}
+    shapes = {k: np.shape(start[k]) for k in (*NAMES, "leps") if k in free or (k == "leps" and fit_eps)}
     fixed = {k: np.asarray(start[k], np.float64) for k in NAMES if k not in free}
     theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
@@ -201,7 +213,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     worst = max(float(np.max(np.abs(np.asarray(new.forward(X)) - Y))) for X, Y in groups) / rms
     return new, {"block_refit_rms_before": before, "block_refit_rms_after": after, "block_refit_insample": worst,
                  "block_refit_iterations": iters, "block_refit_answers": int(count // groups[0][1].shape[-1]),
-                 "block_refit_message": message}
+                 "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if fit_eps else {})}
 
 
 __all__ = ["REFIT_LENGTHS", "gauged", "loss_and_grad", "params_of", "refit_block", "refit_counts"]

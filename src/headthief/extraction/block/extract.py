@@ -85,6 +85,29 @@ def activation_named(name: str, auto: bool = False) -> str:
     return name
 
 
+LN_EPS_EXACT = 1e-10   # --ln-eps above this (BERT's 1e-12 below) moves the answers by ~eps / var, past float64's
+                       # precision: the algebra is then a start, and the refits fit with the eps (the float32 route)
+LN_EPS_START = 2.0 ** -24   # ...the precision the algebra then assumes: float32's (its thresholds met a 1e-5 eps in
+                            # float32 answers before: stage L's check aside, transformers' BertLayer went through)
+LN_EPS_MAX = 1e-4      # --ln-eps accepted up to this (1e-5 measured; the algebra's start is not validated beyond)
+LN_EPS_TOKENS = 2000   # --ln-eps: one-token queries of small norms added to the block refit's answers...
+LN_EPS_NORMS = (1e-3, 0.5)   # ...log-uniform between these multiples of the token norm
+
+
+def ln_eps_named(ln_eps) -> float | None:
+    """``ln_eps`` (``--ln-eps``) as a float in ``(0, LN_EPS_MAX]``, or None (BERT's 1e-12); else a
+    :class:`SpecError` naming it."""
+    if ln_eps is None:
+        return None
+    try:
+        v = float(ln_eps)
+    except (TypeError, ValueError):
+        raise SpecError(f"--ln-eps must be a number (the LayerNorms' eps, e.g. 1e-5), got {ln_eps!r}") from None
+    if not 0.0 < v <= LN_EPS_MAX:
+        raise SpecError(f"--ln-eps must lie in (0, {LN_EPS_MAX:g}] (BERT's is 1e-12, RoBERTa's 1e-5), got {v:g}")
+    return v
+
+
 @dataclass(frozen=True, eq=False)
 class BlockExtraction:
     """What ``--method block`` recovered: ``block`` (the canonical representative, float64) and the stages'
@@ -140,7 +163,8 @@ class BlockExtraction:
             write_safetensors(tensors, writable_path(p), {"format": SAVE_FORMAT, "heads": str(self.heads),
                                                           "ffn": str(self.block.ffn),
                                                           "activation": self.block.activation,
-                                                          "hidden_act": activation(self.block.activation).hf}, None)
+                                                          "hidden_act": activation(self.block.activation).hf,
+                                                          "layer_norm_eps": repr(float(self.block.eps))}, None)
             return
         np.savez(p, **{k.replace(".", "/"): v for k, v in tensors.items()})
 
@@ -179,9 +203,10 @@ class BlockParts:
         return _ln_and_value_errors(self.ln, self.value, truth)
 
 
-def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
-    """The canonical :class:`~headthief.models.bert_block.BertBlock` of the parts (module docstring)."""
-    from ...models.bert_block import BertBlock
+def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads, ln_eps: float | None = None):
+    """The canonical :class:`~headthief.models.bert_block.BertBlock` of the parts (module docstring), its
+    LayerNorms' eps ``ln_eps`` (None: BERT's)."""
+    from ...models.bert_block import BERT_EPS, BertBlock
     from ...models.mha import AttentionLayer
     H, d = att.heads, vs.B.shape[0]
     dh = d // H
@@ -201,7 +226,7 @@ def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
                            output="all")
     return BertBlock(attention=layer, ln1_gamma=ffn.gamma, ln1_beta=np.zeros(d), W1=ffn.W1m / ffn.gamma[None, :],
                      b1=ffn.b1m, W2=ffn.W2, b2=ffn.c, ln2_gamma=ln.gamma, ln2_beta=ln.beta, output="all",
-                     activation=ffn.activation, info={"recovered": True})
+                     activation=ffn.activation, info={"recovered": True}, eps=BERT_EPS if ln_eps is None else ln_eps)
 
 
 def parts_of(block, ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads):
@@ -282,6 +307,10 @@ def block_errors(res: BlockExtraction, truth) -> dict[str, Any]:
                                                        + np.asarray(truth.b2, np.float64)))
     out["heads_found"], out["heads_true"] = att.heads, H
     out["per_head"] = per
+    if max(float(res.block.eps), float(truth.eps)) > LN_EPS_EXACT:
+        # an eps makes LN2's input scale a parameter, not a symmetry: LN1's gamma without the rescaling above
+        out["ln_eps"], out["ln_eps_true"] = float(res.block.eps), float(truth.eps)
+        out["ln1_gamma_unscaled_rel_err"] = rel_err(np.asarray(res.block.ln1_gamma, np.float64), g1)
     return out
 
 
@@ -316,18 +345,32 @@ def _refit_sequences(oracle: Oracle, rng: np.random.Generator, scale: float, blo
     return out
 
 
+def _small_tokens(oracle: Oracle, rng: np.random.Generator, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """:data:`LN_EPS_TOKENS` one-token queries of norms log-uniform in ``LN_EPS_NORMS`` x ``scale`` and their
+    answers, ``(X (k, 1, d), Y (k, 1, d))``: the block refit's data where it fits the LayerNorms' eps. At the
+    method's own norms LN1's input variance barely varies, so the eps is nearly a rescaling the other parts
+    absorb (measured: transformers' RobertaLayer, eps 1e-5, fitted 6e-8 from them alone); small tokens leave
+    LN1's input to its bias, where eps / var is large."""
+    d = oracle.d
+    X = rng.standard_normal((LN_EPS_TOKENS, 1, d))
+    lo, hi = np.log(LN_EPS_NORMS[0] * scale), np.log(LN_EPS_NORMS[1] * scale)
+    X *= np.exp(rng.uniform(lo, hi, (LN_EPS_TOKENS, 1, 1))) / np.linalg.norm(X, axis=2, keepdims=True)
+    return X, np.asarray(oracle.query(X), dtype=np.float64)
+
+
 def _probes(d: int, ffn: int, stage_f: str) -> bool:
     if stage_f not in ("auto", "full", "probes"):
         raise SpecError(f"stage_f must be auto, full or probes, got {stage_f!r}")
     return stage_f == "probes" or (stage_f == "auto" and use_probes(d, ffn))
 
 
-def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "auto") -> int:
+def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "auto", ln_eps: bool = False) -> int:
     """The planned query count (answers at every position) for the progress bar: stage L, the activation
     check, stage V (3 base tokens; for float32 6, the step's ladder and c0's Newton, each at its most), stage
     F with its one-token check, stage A, the model check; for float32 answers the one-token refit's random
     tokens, the block refit's sequences and the model check's noise segments, and no Jacobian stencils in
-    stage A (it pulls back through the refitted model)."""
+    stage A (it pulls back through the refitted model). ``ln_eps``: a LayerNorm eps fitted (``--ln-eps``): the
+    float32 route and its small tokens, whatever the answers."""
     from .one_token_refit import random_queries
     from .smoothness import CIRCLES, MAX_POINTS
     from .value_sum import BASES, COARSE_BASES, LADDER, NEWTON, PILOT_DIRECTIONS, SCALES
@@ -335,6 +378,8 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
     v = (COARSE_BASES * (8 * d + 1 + len(SCALES) * (NEWTON + 1)) + 4 * PILOT_DIRECTIONS * len(LADDER) if float32
          else BASES * 8 * d)
     base = _ln_sequences(d) + CIRCLES * MAX_POINTS + v + f + 64 + 256
+    if ln_eps:
+        return expected_queries(d, ffn, True, stage_f) + LN_EPS_TOKENS
     if not float32:
         return base + stage_a_queries(d)
     return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
@@ -344,18 +389,23 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
                   stage_f: str = "auto", max_tflop: float = MAX_TFLOP,
-                  refit_device: str | None = None, activation: str = "gelu") -> BlockExtraction:
+                  refit_device: str | None = None, activation: str = "gelu",
+                  ln_eps: float | None = None) -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences
     (:func:`_extract_block`). ``activation``: the FFN's assumed activation (:mod:`headthief.models.activations`:
     BERT's exact ``gelu`` by default, or ``gelu_tanh``, ``silu``, ``quick_gelu``); a block whose answers
     another explains is refused by the stages' checks, as a ReLU block is. A refusal of the model class
     (:class:`ModelMismatch`) first asks one random sequence three times
     (:func:`~headthief.extraction.precision.refuse_if_random`): a target whose answers are not a function of
-    its input (dropout left on) is refused as that, not as the stage's wrong class."""
+    its input (dropout left on) is refused as that, not as the stage's wrong class. ``ln_eps``: both
+    LayerNorms' eps (None: BERT's 1e-12, which the stages' algebra leaves out exactly; RoBERTa and many others
+    use 1e-5). An eps above :data:`LN_EPS_EXACT` moves the answers by ~eps / var, so the algebra's figures are
+    then a start at float32's precision and the refits fit the answers with the eps in their loss (the route
+    float32 answers take), float64 answers too."""
     try:
         return _extract_block(oracle, heads=heads, ffn=ffn, rng=rng, check=check, verify=verify,
                               check_rng=check_rng, progress=progress, stage_f=stage_f, max_tflop=max_tflop,
-                              refit_device=refit_device, activation=activation)
+                              refit_device=refit_device, activation=activation, ln_eps=ln_eps)
     except ModelMismatch as e:
         refuse_if_random(oracle, e, what="The block method")
         raise
@@ -363,7 +413,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 
 def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.random.Generator | int,
                    check: bool, verify: int, check_rng, progress, stage_f: str, max_tflop: float,
-                   refit_device: str | None, activation: str = "gelu") -> BlockExtraction:
+                   refit_device: str | None, activation: str = "gelu",
+                   ln_eps: float | None = None) -> BlockExtraction:
     """:func:`extract_block`'s stages L, activation, V, F, A and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
@@ -384,6 +435,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     probes = _probes(d, int(ffn), stage_f)
     device = check_device(refit_device)           # before the first query
     act = activation_named(activation, auto=True)
+    ln_eps = ln_eps_named(ln_eps)
+    loose = ln_eps is not None and ln_eps > LN_EPS_EXACT     # an eps the algebra leaves out: a start, refitted
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
@@ -420,8 +473,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         refuse_half_precision(Y, "the block method")
         ln = fit_output_layernorm(Y)
         kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
-        eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))))
-        check_on_ellipsoid(ln, eps)
+        eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))), LN_EPS_START if loose else 0.0)
+        check_on_ellipsoid(ln, eps, ln_eps=ln_eps)
         mark("L", q0)
         q0 = oracle.queries
         ratio = check_smooth_activation(oracle, rng, precision=eps, scale=scale).ratio
@@ -552,11 +605,13 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         st = {**st, "att": att}
         ck.save("A", {**st, "stages": stages, "seconds": seconds})
     att = st["att"]
-    block = assemble(ln, vs, part, att)
+    block = assemble(ln, vs, part, att, ln_eps)
     if coarse and done != "R":
         q0 = oracle.queries
         after_a = {"rng_state": rng.bit_generator.state, "spent": ck.spent()}   # R's answers follow from here
         groups = [(ones[0][:, None, :], ones[1][:, None, :])] + _refit_sequences(oracle, rng, scale, block)
+        if loose:                             # where the LayerNorms' eps shows (_small_tokens)
+            groups.append(_small_tokens(oracle, rng, scale))
         start = st.get("partial", block)      # a refit cut short goes on from the block it had reached
         if "partial" in st:
             refit["block_refit_resumed_from_evaluation"] = st["partial_calls"]
@@ -568,7 +623,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
 
         describe("R block refit")
         block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"),
-                                    device=device, history=st.get("partial_history"))
+                                    device=device, history=st.get("partial_history"), fit_eps=loose)
         tries, q_retry = 1, oracle.queries
         floor = float(refit.get("refit_rms_after", np.inf))        # F+'s in-sample rms: the same answers' floor
         while (brefit["block_refit_rms_after"] > RETRY_A * floor and tries < A_TRIES
@@ -582,8 +637,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             describe(f"stage A again (try {tries}: the block refit stopped at rms "
                      f"{brefit['block_refit_rms_after']:.2e}, {RETRY_A}x above F+'s {floor:.2e})")
             att2 = draw_heads()
-            block2, brefit2 = refit_block(assemble(ln, vs, part, att2), groups, rng=rng,
-                                          progress=fit_progress("R block refit"), device=device)
+            block2, brefit2 = refit_block(assemble(ln, vs, part, att2, ln_eps), groups, rng=rng,
+                                          progress=fit_progress("R block refit"), device=device, fit_eps=loose)
             if brefit2["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
                 block, brefit, att = block2, brefit2, att2
         refit.update(brefit)
@@ -601,7 +656,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     insample = float(np.max(np.abs(Yh - Y)) / np.sqrt(np.mean(Y ** 2)))
     spent = ck.spent()
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
-            "activation": block.activation, "activation_assumed": act,
+            "activation": block.activation, "activation_assumed": act, "ln_eps": float(block.eps),
             "activation_fits": part.info.get("activation_fits"),
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),

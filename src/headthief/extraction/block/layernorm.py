@@ -61,10 +61,11 @@ def constant_coordinates(Y: np.ndarray) -> np.ndarray:
     return np.flatnonzero(Y.std(axis=0) <= FLAT * np.abs(Y).max(axis=0))
 
 
-def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = "") -> None:
+def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = "",
+                       ln_eps: float | None = None) -> None:
     """Stage L's model check against the answers' precision: ``|n|^2 / d - 1`` (rms, ``ln.sphere_residual``)
     within the larger of :data:`SPHERE_PRECISION` x ``precision`` (the answers' relative precision) and
-    :data:`SPHERE_EPS` x BERT's LayerNorm eps (1e-12, which every block model here uses), else
+    :data:`SPHERE_EPS` x the LayerNorm eps assumed (``ln_eps``; None: BERT's 1e-12), else
     :class:`ModelMismatch`.
 
     A LayerNorm with eps not negligible against its input's variance puts ``|n|^2 = d var / (var + eps)``
@@ -72,16 +73,19 @@ def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = ""
     leaves 1.3e-13, eps 1e-9 1.3e-10, eps 1e-5 1.3e-6; float32 answers: 1.1 - 1.7x their precision 6e-8 with
     eps 1e-12, 24x with 1e-5. Unchecked, eps 1e-5 (RoBERTa's and many others') ended at stage F's neuron
     search in float64, refused as "not identifiable", and in float32 was reported extracted at fidelity
-    1.1e-5 (6.0e-7 with eps 1e-12); eps 1e-9 ended at stage F's check, as "not a GELU block"."""
+    1.1e-5 (6.0e-7 with eps 1e-12); eps 1e-9 ended at stage F's check, as "not a GELU block". The block
+    method takes another eps (``--ln-eps``, :mod:`.extract`)."""
     from ...models.bert_block import BERT_EPS
-    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS)
+    told = BERT_EPS if ln_eps is None else float(ln_eps)
+    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * told)
+    assumed = f"BERT's {BERT_EPS:g}" if ln_eps is None else f"{told:g}"
     if ln.sphere_residual > limit:
         raise ModelMismatch(
             f"{where}the answers are off the LayerNorm's ellipsoid: rms of |n|^2 / d - 1 is "
             f"{ln.sphere_residual:.3g} > {limit:.2g} (the larger of {SPHERE_PRECISION}x the answers' precision "
-            f"{precision:.2g} and {SPHERE_EPS}x BERT's LayerNorm eps {BERT_EPS:g}). A LayerNorm with a larger eps "
-            "(1e-5 in RoBERTa and many others) puts them off by about eps / var; the block models here assume "
-            "BERT's 1e-12. Answers with undeclared noise (a defence's) are off it too",
+            f"{precision:.2g} and {SPHERE_EPS}x the LayerNorm eps assumed, {assumed}). A LayerNorm with a larger "
+            "eps (1e-5 in RoBERTa and many others) puts them off by about eps / var (--method block takes the eps "
+            "as --ln-eps). Answers with undeclared noise (a defence's) are off it too",
             check="output-layernorm ellipsoid", figure=ln.sphere_residual, threshold=limit)
 
 

@@ -26,10 +26,11 @@ PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relati
 FLOOR = 1e-8           # a coordinate's scale at least this times the largest (directions no answer sees)
 
 
-def normalize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(v - mean) / rms`` along the last axis, and the rms (LayerNorm without gamma, beta and eps)."""
+def normalize(v: np.ndarray, eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(v - mean) / sqrt(var + eps)`` along the last axis, and that root (LayerNorm without gamma and beta;
+    ``eps`` 0: BERT's 1e-12, which moves nothing the refits see). :func:`normalize_back` holds for any eps."""
     vc = v - v.mean(axis=-1, keepdims=True)
-    r = np.sqrt((vc * vc).mean(axis=-1, keepdims=True))
+    r = np.sqrt((vc * vc).mean(axis=-1, keepdims=True) + eps)          # + 0.0 changes no bit
     return vc / r, r
 
 

@@ -45,9 +45,9 @@ def check_device(device: str | None) -> str | None:
     return device
 
 
-def _normalize(v):
+def _normalize(v, eps=0.0):
     c = v - v.mean(dim=-1, keepdim=True)
-    return c / c.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    return c / (c.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
 
 
 def _act(name: str):
@@ -109,8 +109,9 @@ class BlockLoss(_Loss):
             A = self.torch.softmax((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(dh)), dim=-1)
             z = A @ v
         zc = z.transpose(1, 2).reshape(N * T, H * dh)
-        zz = _normalize(Xf + zc @ p["Wo"].T + p["bo"]) * p["g1"]
-        n2 = _normalize(zz + self.act(zz @ p["W1"].T + p["b1"]) @ p["W2"].T + p["b2"])
+        eps = p["leps"].exp() if "leps" in p else 0.0                 # the LayerNorms' eps, where it is fitted
+        zz = _normalize(Xf + zc @ p["Wo"].T + p["bo"], eps) * p["g1"]
+        n2 = _normalize(zz + self.act(zz @ p["W1"].T + p["b1"]) @ p["W2"].T + p["b2"], eps)
         res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
         return 0.5 * (res * res).sum()
 

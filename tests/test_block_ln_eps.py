@@ -1,0 +1,134 @@
+"""``--ln-eps``: post-LN blocks whose LayerNorms use another eps than BERT's 1e-12 (RoBERTa's 1e-5). The stages'
+algebra is then a start and the block refit fits the answers with the eps itself fitted (as log eps): the loss
+and its gradient, the checks before any query, extraction in float32 and float64 with the eps read back, the
+saved file loaded into transformers' ``BertLayer`` with that eps, and a told eps the answers do not show."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import headthief as ht
+from headthief.errors import SpecError
+from headthief.extraction.block import block_refit
+from headthief.extraction.block.block_refit import gauged
+from headthief.extraction.block.extract import LN_EPS_EXACT
+from headthief.models.bert_block import BERT_EPS, random_block
+
+UNIT32 = 2.0 ** -24            # float32 answers' relative precision: the route --ln-eps takes
+
+
+def _with_leps(block):
+    p = {**block_refit.params_of(block), "leps": np.log(block.eps)}
+    shapes = {k: np.shape(p[k]) for k in (*block_refit.NAMES, "leps")}
+    return p, shapes, block_refit.pack(p, shapes)
+
+
+def test_the_block_loss_with_a_fitted_eps_is_the_block_and_its_gradient_is_exact():
+    import dataclasses
+    block = gauged(dataclasses.replace(random_block(6, 2, 5, seed=1), eps=3e-3))
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((4, 3, 6))
+    Y = np.asarray(block.forward(X))
+    p, shapes, theta = _with_leps(block)
+    assert block_refit.loss_and_grad(theta, shapes, [(X, Y)])[0] <= 1e-25       # the block's own answers
+    no_eps = {k: v for k, v in shapes.items() if k != "leps"}                   # without leps: BERT's, left out
+    assert block_refit.loss_and_grad(block_refit.pack(p, no_eps), no_eps, [(X, Y)])[0] > 1e-8
+    Yn = Y + 1e-2 * rng.standard_normal(Y.shape)
+    theta = theta + 1e-2 * rng.standard_normal(theta.size)
+    L, G = block_refit.loss_and_grad(theta, shapes, [(X, Yn)])
+    h = 1e-6
+    num = np.array([(block_refit.loss_and_grad(theta + h * e, shapes, [(X, Yn)])[0]
+                     - block_refit.loss_and_grad(theta - h * e, shapes, [(X, Yn)])[0]) / (2 * h)
+                    for e in np.eye(theta.size)])
+    assert np.max(np.abs(num - G)) <= 1e-7 * np.max(np.abs(G))
+    assert abs(num[-1] - G[-1]) <= 1e-6 * abs(G[-1])                             # log eps's own, not drowned
+    torch = pytest.importorskip("torch")
+    del torch
+    from headthief.extraction.block.torch_losses import BlockLoss
+    Lt, Gt = BlockLoss(shapes, [(X, Yn)], {}, "cpu")(theta)
+    assert abs(Lt - L) <= 1e-12 * L and np.max(np.abs(Gt - G)) <= 1e-11 * np.max(np.abs(G))
+
+
+@pytest.mark.parametrize("value, message", [(0.0, "must lie in"), (-1e-5, "must lie in"), (1e-3, "must lie in"),
+                                            ("abc", "must be a number")])
+def test_a_bad_ln_eps_is_refused_before_any_query(value, message):
+    with pytest.raises(SpecError, match=message):
+        ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1", "block", ln_eps=value)
+
+
+def test_ln_eps_is_refused_where_it_is_not_built():
+    with pytest.raises(SpecError, match="does not apply to --method vector"):
+        ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1", "vector", ln_eps=1e-5)
+    with pytest.raises(SpecError, match="free inputs only"):
+        ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "block", ln_eps=1e-5)
+
+
+def test_the_target_draws_a_block_with_its_eps():
+    from headthief.targets import resolve
+    assert resolve("bert-block:d=8,heads=2,ffn=8,seed=1,ln_eps=1e-5").truth.eps == 1e-5
+    assert resolve("bert-block:d=8,heads=2,ffn=8,seed=1").truth.eps == BERT_EPS
+    for bad in ("abc", "0", "0.1"):
+        with pytest.raises(SpecError, match="ln_eps"):
+            resolve(f"bert-block:d=8,heads=2,ffn=8,seed=1,ln_eps={bad}")
+
+
+def test_the_journal_fingerprint_holds_the_eps():
+    from headthief.pipeline import Options, fingerprint
+    assert fingerprint(Options(target="t", method="block", ln_eps=1e-5))["ln_eps"] == 1e-5
+    assert "ln_eps" not in fingerprint(Options(target="t", method="block"))       # old journals still resume
+
+
+def test_a_float32_block_with_roberta_eps_is_extracted_and_loads_into_bert_layer(tmp_path, capsys):
+    """Refused at stage L without --ln-eps (naming it); with it every part within the float32 route's 1e-4
+    (measured ~1e-6), the eps fitted near the truth's, and the saved file, loaded into ``BertLayer`` with the
+    eps of its metadata, answers as the black box does."""
+    from headthief.cli import main
+    spec = "bert-block:d=8,heads=2,ffn=8,seed=21020,dtype=float32,ln_eps=1e-5"
+    rep = ht.extract(spec, "block", raise_errors=False)
+    assert rep.exit_code == 5 and "--ln-eps" in rep.row["error"]
+    out = tmp_path / "block.safetensors"
+    code = main(["extract", "--target", spec, "--method", "block", "--ln-eps", "1e-5", "--verify", "64", "--json",
+                 "--quiet", "--save", str(out)])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    parts = ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "O_rel_err", "W_rel_err", "c_rel_err",
+             "ln1_gamma_rel_err", "W1_rel_err", "W2_rel_err", "ffn_bias_rel_err")
+    assert max(row[k] for k in parts) <= 1e-4
+    assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
+    assert row["ln_eps_true"] == 1e-5 and abs(row["ln_eps"] / 1e-5 - 1) <= 0.3
+    assert row["block_refit_ln_eps"] == row["ln_eps"]
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+    from headthief.extraction.block.extract import SAVE_FORMAT
+    from headthief.models.bert_export import read_safetensors
+    from headthief.targets import resolve
+    tensors, meta = read_safetensors(str(out), SAVE_FORMAT)
+    assert float(meta["layer_norm_eps"]) == row["ln_eps"]
+    cfg = BertConfig(hidden_size=8, num_attention_heads=int(meta["heads"]), intermediate_size=int(meta["ffn"]),
+                     hidden_act=meta["hidden_act"], layer_norm_eps=float(meta["layer_norm_eps"]),
+                     attn_implementation="eager")
+    layer = BertLayer(cfg).double().eval()
+    layer.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, strict=True)
+    X = np.random.default_rng(11).standard_normal((4, 6, 8)) * np.sqrt(8)
+    with torch.no_grad():
+        out_t = layer(torch.from_numpy(X))
+    y = (out_t[0] if isinstance(out_t, tuple) else out_t).numpy()
+    y_t = np.asarray(resolve(spec).truth.forward(X))
+    assert np.max(np.abs(y - y_t)) / np.sqrt(np.mean(y_t ** 2)) <= 100 * UNIT32 * np.sqrt(8)
+
+
+def test_an_eps_the_answers_do_not_show_is_fitted_below_it():
+    """A BERT block (eps 1e-12, float64) told 1e-5: extracted at the float32 route's precision, and the eps
+    fitted orders below the told one (not reported as 1e-5)."""
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=8,seed=21022", "block", ln_eps=1e-5, verify=64,
+                     raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["ln_eps_true"] == BERT_EPS and row["ln_eps"] <= 1e-2 * 1e-5
+    assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
+    assert 1e-5 > LN_EPS_EXACT                                                    # the route this test is about
