@@ -8,6 +8,7 @@
     python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --dtype float32   # --activation
     python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --act gelu_tanh --assume gelu     # must refuse
     python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --ln-eps 1e-5 --dtype float32      # --ln-eps
+    python benchmarks/bench_block.py --d 12 --heads 2 --ffn 24 --ln-eps 1e-5 --dtype float32 --image
 
 Prints per seed the worst relative error of every part (modulo the block's symmetries, docs/block.md),
 the fidelity on fresh sequences, queries and seconds, and how many seeds have every part within 1e-8.
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--ln-eps", dest="ln_eps", type=float, default=None,
                     help="the blocks' LayerNorm eps (bert-block:ln_eps=...), told to the method (--ln-eps)")
     ap.add_argument("--tell", type=float, default=None, help="the eps told to the method instead of --ln-eps")
+    ap.add_argument("--image", action="store_true", help="blocks answering on a previous LayerNorm's image only "
+                                                         "(bert-block:...,inputs=image)")
     args = ap.parse_args()
     assume = args.assume or args.act
     told = args.tell if args.tell is not None else args.ln_eps
@@ -63,7 +66,7 @@ def main() -> None:
         spec = f"bert-block:d={args.d},heads={args.heads},ffn={args.ffn},seed={seed}" + (
             f",dtype={args.dtype}" if args.dtype != "float64" else "") + (
             f",act={args.act}" if args.act != "gelu" else "") + (
-            f",ln_eps={args.ln_eps:g}" if args.ln_eps is not None else "")
+            f",ln_eps={args.ln_eps:g}" if args.ln_eps is not None else "") + (",inputs=image" if args.image else "")
         t = time.perf_counter()
         rep = ht.extract(spec, "block", raise_errors=False, stage_f=args.stage_f, activation=assume, ln_eps=told)
         r = rep.row

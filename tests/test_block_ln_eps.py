@@ -62,14 +62,16 @@ def test_a_bad_ln_eps_is_refused_before_any_query(value, message):
 def test_ln_eps_is_refused_where_it_is_not_built():
     with pytest.raises(SpecError, match="does not apply to --method vector"):
         ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1", "vector", ln_eps=1e-5)
-    with pytest.raises(SpecError, match="free inputs only"):
-        ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "block", ln_eps=1e-5)
+    with pytest.raises(SpecError, match="every layer's hidden states"):        # the parts read without a block
+        ht.extract("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1,hidden=last", "encoder", ln_eps=1e-5)
 
 
-def test_the_target_draws_a_block_with_its_eps():
+def test_the_targets_draw_blocks_and_encoders_with_their_eps():
     from headthief.targets import resolve
     assert resolve("bert-block:d=8,heads=2,ffn=8,seed=1,ln_eps=1e-5").truth.eps == 1e-5
     assert resolve("bert-block:d=8,heads=2,ffn=8,seed=1").truth.eps == BERT_EPS
+    enc = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=1,ln_eps=1e-5").truth
+    assert enc.eps == 1e-5 and all(b.eps == 1e-5 for b in enc.blocks)
     for bad in ("abc", "0", "0.1"):
         with pytest.raises(SpecError, match="ln_eps"):
             resolve(f"bert-block:d=8,heads=2,ffn=8,seed=1,ln_eps={bad}")
@@ -130,5 +132,51 @@ def test_an_eps_the_answers_do_not_show_is_fitted_below_it():
     row = rep.row
     assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
     assert row["ln_eps_true"] == BERT_EPS and row["ln_eps"] <= 1e-2 * 1e-5
+    assert row["block_refit_eps_restarted"] is True                # the eps moved: R run again from its result
     assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
     assert 1e-5 > LN_EPS_EXACT                                                    # the route this test is about
+
+
+def test_a_float32_block_on_the_image_with_an_eps_is_extracted_holding_it():
+    """The image route (the encoder's per-block method): the told eps held in the fits (not fitted: on the image
+    the answers barely see it), every part within the float32 route's 1e-4, the fidelity within 100x float32's
+    unit; refused at stage L without it."""
+    spec = "bert-block:d=8,heads=2,ffn=8,seed=21041,dtype=float32,inputs=image,ln_eps=1e-5"
+    assert ht.extract(spec, "block", raise_errors=False).exit_code == 5
+    rep = ht.extract(spec, "block", ln_eps=1e-5, verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert max(row[k] for k in ("ln2_gamma_rel_err", "B_rel_err", "O_rel_err", "W_rel_err", "W1_rel_err",
+                                "W2_rel_err", "ffn_bias_rel_err")) <= 1e-4
+    assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8) and row["ln_eps"] == 1e-5
+
+
+def test_the_embeddings_layernorm_with_an_eps_is_read_exactly_in_float64():
+    """Stage E with LN_emb's eps: gamma, beta and the offsets fitted jointly; float64 answers give them to
+    ~1e-11 (the ellipsoid fit alone, which assumes no eps, leaves ~1e-6)."""
+    from headthief.extraction.block.embeddings import embedding_stage
+    from headthief.extraction.block.value_sum import centre
+    from headthief.targets import resolve
+    t = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=21053,ln_eps=1e-5")
+    truth = t.truth
+    c = centre((np.asarray(truth.position[:16]) + np.asarray(truth.token_type)).T).T
+
+    def errors(eps):
+        e = embedding_stage(t.make_oracle(), np.random.default_rng(0), length=16, d_hidden=8, eps=eps)
+        return (np.linalg.norm(e.ln.gamma - truth.ln_gamma) / np.linalg.norm(truth.ln_gamma),
+                np.linalg.norm(e.offsets - c) / np.linalg.norm(c))
+    assert max(errors(1e-5)) <= 1e-9
+    assert max(errors(None)) >= 1e-8                      # what the eps costs the exact algebra
+
+
+def test_a_float32_encoder_with_roberta_eps_is_extracted():
+    """``--method encoder --ln-eps``: every block and LN_emb with the told eps, the offsets and LN_emb as
+    exact as without an eps, the encoder's fidelity within the float32 route's 100x 30 eps."""
+    spec = "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=21050,dtype=float32,ln_eps=1e-5"
+    rep = ht.extract(spec, "encoder", ln_eps=1e-5, verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["ln_eps"] == 1e-5 and rep.result.encoder.eps == 1e-5
+    assert row["offsets_rel_err"] <= 30 * UNIT32 and row["ln_emb_gamma_rel_err"] <= 30 * UNIT32
+    assert row["fidelity_max_rel_err"] <= 100 * 30 * UNIT32
+    assert ht.extract(spec, "encoder", verify=64, raise_errors=False).exit_code == 5     # nothing told

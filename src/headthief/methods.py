@@ -398,14 +398,11 @@ def _run_block(oracle, target, args, progress, clean=None):
             raise SpecError("--method block on a previous LayerNorm's image needs the head count: give --heads H")
         if getattr(args, "stage_f", "auto") != "auto":
             raise SpecError("--stage-f applies to free inputs only: on the image stage F reads full Jacobians")
-        if getattr(args, "ln_eps", None) is not None:
-            raise SpecError("--ln-eps applies to free inputs only: on a previous LayerNorm's image the block method "
-                            "assumes BERT's 1e-12 (not built for another eps)")
         kw = check_kw(args)
         return extract_block_on_image(oracle, LayerNormImage(np.array(image["gamma"]), np.array(image["beta"])),
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
                                       verify=kw["verify"], check=kw["check"], progress=progress,
-                                      activation=getattr(args, "activation", "gelu"))
+                                      activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None))
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
                          max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),
@@ -465,6 +462,9 @@ def _run_encoder(oracle, target, args, progress, clean=None):
     too_large = dense_stage_v(d)
     if oracle.d_out == d or too_large:
         # what is possible without taking a block apart; the run ends in exit 2 with those parts in the row
+        if getattr(args, "ln_eps", None) is not None:
+            raise SpecError("--ln-eps applies to --method encoder with every layer's hidden states (d <= 88): the "
+                            "parts read without a block (hidden=last, or d > 88) assume BERT's 1e-12")
         from .extraction.block.encoder_parts import extract_encoder_parts, not_recovered
         hidden = "last" if oracle.d_out == d else "all"
         reason = None if hidden == "last" else f"the blocks: {too_large} (docs/block.md)"
@@ -476,7 +476,7 @@ def _run_encoder(oracle, target, args, progress, clean=None):
                         f"(--heads H, --ffn M; {target.spec} does not publish them)")
     return extract_encoder(oracle, layers=L, heads=int(heads), ffn=int(ffn), rng=rng, length=length,
                            verify=kw["verify"], check=kw["check"], check_rng=kw["check_rng"], progress=progress,
-                           activation=getattr(args, "activation", "gelu"))
+                           activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None))
 
 
 METHODS["encoder"] = Method(

@@ -87,7 +87,7 @@ class Options:
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
     activation: str = "gelu"          # block, encoder: the FFN's activation (models.activations.SMOOTH)
-    ln_eps: float | None = None       # block: the LayerNorms' eps (None: BERT's 1e-12), fitted from this start
+    ln_eps: float | None = None       # block, encoder: the LayerNorms' eps (None: BERT's 1e-12), fitted from it
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -133,7 +133,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
     "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
-    "refit_device": {"block"}, "activation": {"block", "encoder"}, "ln_eps": {"block"},
+    "refit_device": {"block"}, "activation": {"block", "encoder"}, "ln_eps": {"block", "encoder"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},
     "subspace_bases": {"multihead-subspaces"},

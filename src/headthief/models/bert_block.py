@@ -407,16 +407,16 @@ class Encoder:
 
 
 def random_encoder(d: int, heads: int, ffn: int, layers: int, *, positions: int = 32, seed: int = 0,
-                   hidden: str = "all", dtype=np.float64, activation: str = "gelu") -> Encoder:
+                   hidden: str = "all", dtype=np.float64, activation: str = "gelu", eps: float = BERT_EPS) -> Encoder:
     """A seeded random encoder: position embeddings ~ N(0, 0.5^2), token type ~ N(0, 0.1^2), the embeddings'
     LayerNorm as :func:`random_block` draws its own, and ``layers`` blocks ``random_block(..., seed=1000 seed + i)``
-    (each with the FFN ``activation``)."""
+    (each with the FFN ``activation``); ``eps``: every LayerNorm's (BERT's 1e-12 by default)."""
     rng = np.random.default_rng(seed)
-    blocks = tuple(random_block(d, heads, ffn, seed=1000 * seed + i, dtype=dtype, activation=activation)
+    blocks = tuple(random_block(d, heads, ffn, seed=1000 * seed + i, dtype=dtype, activation=activation, eps=eps)
                    for i in range(layers))
     return Encoder(position=0.5 * rng.standard_normal((positions, d)), token_type=0.1 * rng.standard_normal(d),
                    ln_gamma=1.0 + 0.1 * rng.standard_normal(d), ln_beta=0.05 * rng.standard_normal(d), blocks=blocks,
-                   hidden=hidden, dtype=dtype, info={"seed": int(seed)})
+                   hidden=hidden, dtype=dtype, info={"seed": int(seed)}, eps=eps)
 
 
 def minilm_encoder(hidden: str = "all", *, dtype=np.float32) -> Encoder:

