@@ -402,7 +402,8 @@ def _run_block(oracle, target, args, progress, clean=None):
         return extract_block_on_image(oracle, LayerNormImage(np.array(image["gamma"]), np.array(image["beta"])),
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
                                       verify=kw["verify"], check=kw["check"], progress=progress,
-                                      activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None))
+                                      activation=getattr(args, "activation", "gelu"),
+                                      ln_eps=getattr(args, "ln_eps", None))
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
                          max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),

@@ -257,7 +257,8 @@ def hf_bert_layer(block, *, dtype=None):
 register(TargetKind("bert-block", "bert-block:d=D,heads=H,ffn=M[,seed=S][,dtype=float32][,act=A]"
                                   "[,inputs=image][,init=bert][,ln_eps=E]",
                     "a seeded random post-LN BERT encoder block (attention, residual, LayerNorm, GELU FFN, "
-                    "LayerNorm; eps 1e-12, or ln_eps=E) answering d-vectors at every position (numpy; act=relu: ReLU where BERT "
+                    "LayerNorm; eps 1e-12, or ln_eps=E) answering d-vectors at every position (numpy; act=relu: ReLU "
+                    "where BERT "
                     "has GELU; act=gelu_tanh / silu / quick_gelu: another smooth activation; inputs=image: only "
                     "tokens on a previous LayerNorm's image, as inside an encoder; init=bert: BertModel's own init, "
                     "weights N(0, 0.02^2), biases 0)", _build_bert_block))

@@ -20,13 +20,12 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import (CHECKPOINT_EVERY, GAIN, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack,
-                    signs, unpack)
+from .lbfgs import (CHECKPOINT_EVERY, GAIN, LEPS_RANGE, diagonal_scale, minimize_in_chunks, normalize,
+                    normalize_back, pack, signs, unpack)
 
 MAX_ITER = 20000
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
-LEPS_RANGE = (np.log(1e-20), np.log(1e-2))     # the LayerNorms' log eps where it is fitted (ln_eps="fit")
 LN_EPS_MODES = ("off", "fixed", "fit")
 
 
@@ -55,14 +54,13 @@ def gauged(block):
                                b1=block.b1 + block.W1 @ block.ln1_beta, b2=block.b2 + block.ln1_beta)
 
 
-def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu",
-                leps_range=LEPS_RANGE) -> float:
+def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: str = "gelu") -> float:
     """One group of equal-length sequences X (N, T, d) with answers Y (N, T, d): adds its gradient to grads.
     ``activation``: the FFN's (:mod:`headthief.models.activations`; GELU's arrays are reused in place). Both
     LayerNorms' eps is ``exp(p["leps"])`` where the fit has it (its gradient in ``grads["leps"]``; log eps
-    clipped to ``leps_range``), else 0 (BERT's 1e-12, which moves nothing the fit sees)."""
+    clipped to ``LEPS_RANGE``), else 0 (BERT's 1e-12, which moves nothing the fit sees)."""
     from scipy.special import erf
-    eps = float(np.exp(np.clip(p["leps"], *leps_range))) if "leps" in p else 0.0    # clipped: a step that left
+    eps = float(np.exp(np.clip(p["leps"], *LEPS_RANGE))) if "leps" in p else 0.0    # clipped: a step that left
     # the range (an early L-BFGS step from a poor start: exp overflowed) sees a flat loss there, not inf
     H, dh, d = p["Q"].shape
     N, T = X.shape[:2]
@@ -103,7 +101,7 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     L = 0.5 * float(np.sum(res * res))
     grads["g2"] += np.sum(res * n2, axis=0)
     grads["be2"] += res.sum(axis=0)
-    inside = "leps" in p and leps_range[0] <= float(p["leps"]) <= leps_range[1]
+    inside = "leps" in p and LEPS_RANGE[0] <= float(p["leps"]) <= LEPS_RANGE[1]
     if inside:                        # dL/d eps = -sum (dn . n) / (2 r^2) per LayerNorm, times eps for log eps
         grads["leps"] += -0.5 * eps * float(np.sum(np.sum(res * p["g2"] * n2, axis=-1) / r2[:, 0] ** 2))
     du = normalize_back(res * p["g2"], n2, r2)
@@ -139,21 +137,21 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
 
 
 def loss_and_grad(theta: np.ndarray, shapes: dict, groups, fixed: dict | None = None,
-                  activation: str = "gelu", leps_range=LEPS_RANGE) -> tuple[float, np.ndarray]:
+                  activation: str = "gelu") -> tuple[float, np.ndarray]:
     """``0.5 sum |block(X) - Y|^2`` over every group ``(X (N, T, d), Y (N, T, d))`` and its gradient with
     respect to the parameters in ``shapes`` (``fixed``: the others' values; ``activation``: the FFN's; a
     parameter ``leps``: the LayerNorms' log eps, :func:`_group_loss`)."""
     p = {**(fixed or {}), **unpack(theta, shapes)}
     grads = {k: np.zeros(np.shape(p[k])) for k in (*NAMES, "leps") if k in p}
-    L = sum(_group_loss(p, X, Y, grads, activation, leps_range) for X, Y in groups)
+    L = sum(_group_loss(p, X, Y, grads, activation) for X, Y in groups)
     return L, pack(grads, shapes)
 
 
-def _with(block, p: dict, leps_range=LEPS_RANGE):
+def _with(block, p: dict):
     """``block`` with the parameters ``p`` (:func:`params_of`'s names; ``leps``: its LayerNorms' log eps, clipped
-    to ``leps_range``)."""
+    to ``LEPS_RANGE``)."""
     if "leps" in p:
-        block = dataclasses.replace(block, eps=float(np.exp(np.clip(p["leps"], *leps_range))))
+        block = dataclasses.replace(block, eps=float(np.exp(np.clip(p["leps"], *LEPS_RANGE))))
     att = dataclasses.replace(block.attention, Q=p["Q"].copy(), K=p["K"].copy(), bq=p["bq"].copy(),
                               V=p["V"].copy(), Wo=p["Wo"].copy(), bo=p["bo"].copy())
     return dataclasses.replace(block, attention=att, ln1_gamma=p["g1"].copy(), W1=p["W1"].copy(),
@@ -183,7 +181,6 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
     block = gauged(block)               # the loss's gauges (module docstring); the same answers
     start = {**params_of(block), **({"leps": np.log(float(block.eps))} if ln_eps != "off" else {})}
-    lr = LEPS_RANGE
     shapes = {k: np.shape(start[k]) for k in (*NAMES, "leps") if k in free or (k == "leps" and ln_eps == "fit")}
     fixed = {k: np.asarray(start[k], np.float64) for k in start if k not in shapes}
     theta = pack(start, shapes)
@@ -192,10 +189,10 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     if device is None:
         def evaluate(th, shift=None):
             moved = groups if shift is None else [(X, Y - w) for (X, Y), w in zip(groups, shift)]
-            return loss_and_grad(th, shapes, moved, fixed, block.activation, lr)
+            return loss_and_grad(th, shapes, moved, fixed, block.activation)
     else:
         from .torch_losses import BlockLoss
-        evaluate = BlockLoss(shapes, groups, fixed, device, activation=block.activation, leps_range=lr)
+        evaluate = BlockLoss(shapes, groups, fixed, device, activation=block.activation)
     L0, G0 = evaluate(theta)
     rng = np.random.default_rng(0) if rng is None else rng
     scale = (diagonal_scale(lambda: evaluate(theta, [signs(rng, Y.shape) for _, Y in groups])[1] - G0)
@@ -207,7 +204,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
         p = {**fixed, **unpack(th, shapes)}
         if ln_eps != "fit":
             p.pop("leps", None)
-        return _with(block, p, lr)
+        return _with(block, p)
 
     def fun(th):
         calls[0] += 1

@@ -24,6 +24,7 @@ GAIN = 0.81            # a chunk must bring the loss below this fraction of its 
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
 PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)
 FLOOR = 1e-8           # a coordinate's scale at least this times the largest (directions no answer sees)
+LEPS_RANGE = (float(np.log(1e-20)), float(np.log(1e-2)))   # a fitted LayerNorm log eps, clipped (block_refit)
 
 
 def normalize(v: np.ndarray, eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

@@ -19,8 +19,7 @@ import math
 import numpy as np
 
 from ...errors import SpecError
-from .block_refit import LEPS_RANGE
-from .lbfgs import unpack
+from .lbfgs import LEPS_RANGE, unpack
 
 DEVICES = "numpy (default), cpu (torch on the CPU), cuda or cuda:N"
 
@@ -77,10 +76,9 @@ class BlockLoss(_Loss):
     """``(theta, shift=None) -> (loss, gradient)`` of :func:`.block_refit.loss_and_grad` on ``device``;
     ``shift``: arrays subtracted from each group's answers (the Gauss-Newton diagonal's random signs)."""
 
-    def __init__(self, shapes: dict, groups, fixed: dict, device: str, activation: str = "gelu",
-                 leps_range=LEPS_RANGE):
+    def __init__(self, shapes: dict, groups, fixed: dict, device: str, activation: str = "gelu"):
         super().__init__(shapes, device)
-        self.act, self.leps_range = _act(activation), tuple(float(v) for v in leps_range)
+        self.act = _act(activation)
         self.groups = [(self.tensor(X), self.tensor(Y)) for X, Y in groups]
         self.fixed = {k: self.tensor(v) for k, v in (fixed or {}).items()}
 
@@ -112,7 +110,7 @@ class BlockLoss(_Loss):
             z = A @ v
         zc = z.transpose(1, 2).reshape(N * T, H * dh)
         # the LayerNorms' eps where the fit has it (clipped as block_refit's)
-        eps = p["leps"].clamp(*self.leps_range).exp() if "leps" in p else 0.0
+        eps = p["leps"].clamp(*LEPS_RANGE).exp() if "leps" in p else 0.0
         zz = _normalize(Xf + zc @ p["Wo"].T + p["bo"], eps) * p["g1"]
         n2 = _normalize(zz + self.act(zz @ p["W1"].T + p["b1"]) @ p["W2"].T + p["b2"], eps)
         res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
