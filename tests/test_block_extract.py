@@ -367,6 +367,9 @@ def test_a_run_above_max_tflop_stops_after_stage_v_with_its_parts(tmp_path):
         row[f"queries_stage_{k}"] for k in ("L", "activation", "V"))
     assert row["B_rel_err"] <= 1e-9 and row["ln2_gamma_rel_err"] <= 1e-9 and row["planned_tflop"] > 1e-6
     assert row["model_check"]["verdict"] == "pass" and "not checked" in row["model_check"]["detail"]
+    # stages L and V read no activation: with --activation auto (recorded "auto") the parts are compared too
+    auto = ht.extract(f"{SPEC},seed=42", "block", max_tflop=1e-6, activation="auto", raise_errors=False).row
+    assert auto["activation"] == "auto" and auto["B_rel_err"] <= 1e-9 and auto["ln2_gamma_rel_err"] <= 1e-9
     full = ht.extract(f"{SPEC},seed=42", "block", journal=journal, verify=32)      # the limit raised: resumes
     # stages L to V restored from the journal's checkpoint (their answers not even replayed), the same parts
     assert full.ok and full.row["resumed_from"] == "V" and full.row["queries_restored"] == parts.queries
