@@ -66,7 +66,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--ln-eps", dest="ln_eps", type=float, default=None, metavar="E",
                    help="block, encoder: the LayerNorms' eps, e.g. 1e-5 (RoBERTa, XLM-R; default: BERT's 1e-12). "
                         "The stages' algebra leaves an eps out, so above 1e-10 its figures are a start at float32's "
-                        "precision and the block fits fit the answers with the eps, itself fitted from this value")
+                        "precision and the block fits fit the answers with the eps (on free inputs fitted from this "
+                        "value; held on a LayerNorm's image and in --method encoder)")
     e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
                    help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
                         "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "
