@@ -327,7 +327,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     encoder left in training mode (dropout) is refused as that, not as an encoder without LayerNorms.
     ``activation``: the blocks' FFN activation (:mod:`headthief.models.activations`, GELU by default);
     ``ln_eps``: every LayerNorm's eps (:func:`~.extract.extract_block`'s): above ``LN_EPS_EXACT`` the stages run at
-    float32's precision, every block's fits hold the told eps (on the image it is barely seen; LN_emb's gamma
+    float32's precision or :data:`EPS_SHARE` x the eps, whichever is coarser, every block's fits hold the told eps (on the image it is barely seen; LN_emb's gamma
     and beta are refitted with it, :func:`.embeddings.embedding_stage`), and ``inputs_embeds`` are sent at
     :data:`EPS_SCALE` x sqrt(d) about the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x
     EPS_SCALE^2) only."""
@@ -501,8 +501,8 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
             progress(int(oracle.queries - q0))  # the bar counts queries (it advanced by the block's index before)
     from ..check import cost
     from ..precision import ModelCheck
-    # LN_emb's eps: the told one (stage E reads LN_emb exactly, not its eps; the blocks' fitted eps are weakly
-    # determined on their images: median 5.2e-6 for a true 1e-5, float32 d = 8)
+    # LN_emb's eps: the told one (stage E reads LN_emb with it, not the eps itself; the blocks hold it too: fitted
+    # on their images it was weakly determined, median 5.2e-6 for a true 1e-5, float32 d = 8)
     res = EncoderExtraction(embeddings=emb, blocks=tuple(blocks), queries=ck.spent(), emb_eps=ln_eps if loose else None,
                             seconds=time.perf_counter() - t0, per_block=tuple(per),
                             diagnostics={"blocks": figures, "embedding_residual": emb.residual, "activation": act_name,
