@@ -327,10 +327,10 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     encoder left in training mode (dropout) is refused as that, not as an encoder without LayerNorms.
     ``activation``: the blocks' FFN activation (:mod:`headthief.models.activations`, GELU by default);
     ``ln_eps``: every LayerNorm's eps (:func:`~.extract.extract_block`'s): above ``LN_EPS_EXACT`` the stages run at
-    float32's precision or :data:`EPS_SHARE` x the eps, whichever is coarser, every block's fits hold the told eps (on the image it is barely seen; LN_emb's gamma
-    and beta are refitted with it, :func:`.embeddings.embedding_stage`), and ``inputs_embeds`` are sent at
-    :data:`EPS_SCALE` x sqrt(d) about the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x
-    EPS_SCALE^2) only."""
+    float32's precision or :data:`EPS_SHARE` x the eps, whichever is coarser; every block's fits hold the told
+    eps (on the image it is barely seen; LN_emb's gamma and beta are refitted with it,
+    :func:`.embeddings.embedding_stage`); and ``inputs_embeds`` are sent at :data:`EPS_SCALE` x sqrt(d) about
+    the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x EPS_SCALE^2) only."""
     from ..precision import refuse_if_random
     try:
         return _extract_encoder(oracle, layers=layers, heads=heads, ffn=ffn, rng=rng, length=length, verify=verify,
