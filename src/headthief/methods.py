@@ -412,10 +412,10 @@ def _run_block(oracle, target, args, progress, clean=None):
 
 
 def _expected_block(target, args):
-    from .extraction.block.extract import LN_EPS_EXACT, expected_queries
+    from .extraction.block.extract import expected_queries, ln_eps_told
     _, ffn = _block_sizes(target, args)
     f32 = str(((target.info or {}) if target is not None else {}).get("dtype", "float64")) == "float32"
-    loose = getattr(args, "ln_eps", None) is not None and float(args.ln_eps) > LN_EPS_EXACT
+    loose = ln_eps_told(getattr(args, "ln_eps", None))[1]
     return expected_queries(target.d, ffn, f32, stage_f=getattr(args, "stage_f", "auto"), ln_eps=loose) if ffn else None
 
 

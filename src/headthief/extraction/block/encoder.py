@@ -345,11 +345,10 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                      length: int, verify: int, check: bool, check_rng, positions: int | None,
                      progress, activation: str = "gelu", ln_eps: float | None = None) -> EncoderExtraction:
     """:func:`extract_encoder`'s stages."""
-    from .extract import LN_EPS_EXACT, LN_EPS_START, activation_named, ln_eps_named
+    from .extract import LN_EPS_START, activation_named, ln_eps_told
     rng = np.random.default_rng(rng)
     act_name = activation_named(activation)
-    ln_eps = ln_eps_named(ln_eps)
-    loose = ln_eps is not None and ln_eps > LN_EPS_EXACT
+    ln_eps, loose = ln_eps_told(ln_eps)
     model = MODEL if act_name == "gelu" else MODEL.replace("then blocks", f"then blocks with a {act_name} FFN")
     d = oracle.d
     if not oracle.output.vector or oracle.d_out != (layers + 1) * d:

@@ -109,6 +109,13 @@ def ln_eps_named(ln_eps) -> float | None:
     return v
 
 
+def ln_eps_told(ln_eps) -> tuple[float | None, bool]:
+    """:func:`ln_eps_named`'s value and whether it is above :data:`LN_EPS_EXACT` (``loose``: the stages' algebra
+    is then a start at float32's precision), as every route that takes ``--ln-eps`` reads it."""
+    v = ln_eps_named(ln_eps)
+    return v, v is not None and v > LN_EPS_EXACT
+
+
 @dataclass(frozen=True, eq=False)
 class BlockExtraction:
     """What ``--method block`` recovered: ``block`` (the canonical representative, float64) and the stages'
@@ -440,8 +447,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     probes = _probes(d, int(ffn), stage_f)
     device = check_device(refit_device)           # before the first query
     act = activation_named(activation, auto=True)
-    ln_eps = ln_eps_named(ln_eps)
-    loose = ln_eps is not None and ln_eps > LN_EPS_EXACT     # an eps the algebra leaves out: a start, refitted
+    ln_eps, loose = ln_eps_told(ln_eps)          # loose: an eps the algebra leaves out, a start refitted
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()

@@ -46,8 +46,8 @@ from ..check import cost, counters
 from ..result import Fidelity, rel_err
 from .block_refit import refit_block
 from ..precision import ModelCheck
-from .extract import (CHECK_FACTOR, LN_EPS_EXACT, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named,
-                      block_errors, ln_eps_named, model_of, parts_of)
+from .extract import (CHECK_FACTOR, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named, block_errors,
+                      ln_eps_told, model_of, parts_of)
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
@@ -140,8 +140,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
         raise SpecError(f"heads={heads} must divide d={oracle.d}")
     rng = np.random.default_rng(rng)
     act_name = activation_named(activation)
-    ln_eps = ln_eps_named(ln_eps)
-    loose = ln_eps is not None and ln_eps > LN_EPS_EXACT
+    ln_eps, loose = ln_eps_told(ln_eps)
     d = oracle.d
     t0 = time.perf_counter()
     before = counters(oracle)
