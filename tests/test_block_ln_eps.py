@@ -180,3 +180,80 @@ def test_a_float32_encoder_with_roberta_eps_is_extracted():
     assert row["offsets_rel_err"] <= 30 * UNIT32 and row["ln_emb_gamma_rel_err"] <= 30 * UNIT32
     assert row["fidelity_max_rel_err"] <= 100 * 30 * UNIT32
     assert ht.extract(spec, "encoder", verify=64, raise_errors=False).exit_code == 5     # nothing told
+
+
+# --ln-eps auto: the eps measured from the answers, for black boxes whose configuration is not published
+
+def _stage_l_fit(spec: str):
+    from headthief.extraction.block.extract import _answers_for_ln, token_scale
+    from headthief.extraction.block.layernorm import fit_output_layernorm
+    from headthief.targets import resolve
+    oracle = resolve(spec).make_oracle()
+    Y, _ = _answers_for_ln(oracle, np.random.default_rng(0), token_scale(oracle))
+    return fit_output_layernorm(Y)
+
+
+@pytest.mark.parametrize("dtype, precision", [("float64", 2.0 ** -52), ("float32", UNIT32)])
+def test_auto_keeps_bert_eps_on_the_ellipsoid_and_starts_from_the_distance_off_it(dtype, precision):
+    """Stage L's decision: a BERT block's answers lie on LN2's ellipsoid (BERT's eps kept, the exact route); with
+    eps 1e-5 they lie ~eps / var inside it, and that distance is R's start, within two decades of the truth (R
+    fits it from there and runs again where it moved 3x)."""
+    from headthief.extraction.block.extract import ln_eps_measured
+    assert ln_eps_measured(_stage_l_fit(f"bert-block:d=8,heads=2,ffn=8,seed=22030,dtype={dtype}"), precision) is None
+    start = ln_eps_measured(_stage_l_fit(f"bert-block:d=8,heads=2,ffn=8,seed=22030,dtype={dtype},ln_eps=1e-5"),
+                            precision)
+    assert start is not None and 1e-7 <= start <= 1e-3 and start > LN_EPS_EXACT
+
+
+def test_auto_measures_a_roberta_eps_on_free_inputs():
+    """``--ln-eps auto`` on a float32 block with eps 1e-5 (refused at stage L with nothing told): the start from
+    stage L, the eps fitted by R within the told route's 30%, every part within the float32 route's 1e-4."""
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=8,seed=22031,dtype=float32,ln_eps=1e-5", "block", ln_eps="auto",
+                     verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["ln_eps_auto_start"] is not None and abs(row["ln_eps"] / 1e-5 - 1) <= 0.3
+    assert max(row[k] for k in ("ln2_gamma_rel_err", "B_rel_err", "O_rel_err", "W_rel_err", "W1_rel_err",
+                                "W2_rel_err", "ffn_bias_rel_err")) <= 1e-4
+    assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-7, BERT_EPS])
+def test_stage_e_measures_the_embeddings_eps(eps):
+    """Stage E's ``eps="auto"``: inputs_embeds that nearly cancel the offsets leave LN_emb's input a small known
+    vector, where eps / var is large. Float32 answers (6e-8) and float32 sums of the offsets (~6e-8 of them,
+    1e-4 of the smallest spread, 1e-5, taken here) bound the eps's error by ~1e-4 relative; 1e-3 allowed. BERT's
+    1e-12 is measured below ``LN_EPS_EXACT`` (the exact route) and leaves gamma and the offsets as read."""
+    from headthief.extraction.block.embeddings import embedding_stage
+    from headthief.targets import resolve
+    from headthief.extraction.block.value_sum import centre
+    spec = "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=22032,dtype=float32" + (
+        "" if eps == BERT_EPS else f",ln_eps={eps}")
+    t = resolve(spec)
+    e = embedding_stage(t.make_oracle(), np.random.default_rng(0), length=16, d_hidden=8, eps="auto",
+                        negligible=LN_EPS_EXACT)
+    if eps == BERT_EPS:
+        assert e.eps <= LN_EPS_EXACT
+    else:
+        assert abs(e.eps / eps - 1) <= 1e-3
+    c = centre((np.asarray(t.truth.position[:16]) + np.asarray(t.truth.token_type)).T).T
+    assert np.linalg.norm(e.offsets - c) / np.linalg.norm(c) <= 30 * UNIT32
+
+
+def test_auto_measures_the_eps_of_an_encoder():
+    """``--method encoder --ln-eps auto``: the eps measured at stage E and held in every block, as a told one."""
+    spec = "bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=22033,dtype=float32,ln_eps=1e-5"
+    rep = ht.extract(spec, "encoder", ln_eps="auto", verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert abs(row["ln_eps_measured"] / 1e-5 - 1) <= 1e-3 and rep.result.encoder.eps == row["ln_eps_measured"]
+    assert row["fidelity_max_rel_err"] <= 100 * 30 * UNIT32
+
+
+def test_auto_is_refused_on_the_image_and_a_bad_value_by_the_cli(capsys):
+    with pytest.raises(SpecError, match="auto is measured on free inputs"):
+        ht.extract("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image", "block", ln_eps="auto")
+    from headthief.cli import main
+    with pytest.raises(SystemExit):
+        main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=1", "--method", "block", "--ln-eps", "abc"])
+    assert "number (e.g. 1e-5) or auto" in capsys.readouterr().err

@@ -87,7 +87,7 @@ class Options:
     max_tflop: float = 100.0          # extraction.block.arithmetic.MAX_TFLOP (not imported here: import stays light)
     refit_device: str | None = None   # block: a torch device for the refits (extraction.block.torch_losses)
     activation: str = "gelu"          # block, encoder: the FFN's activation (models.activations.SMOOTH)
-    ln_eps: float | None = None       # block, encoder: the LayerNorms' eps (None: BERT's 1e-12), fitted from it
+    ln_eps: float | str | None = None   # block, encoder: the LayerNorms' eps (None: BERT's 1e-12; "auto": measured)
     max_len: int = 16
     verify_len: int = 64
     max_heads: int = 16
@@ -651,7 +651,9 @@ def fingerprint(opts: Options) -> dict:
     if opts.activation != "gelu":           # likewise (stage F's checkpoints hold neurons fitted with it)
         fp["activation"] = opts.activation
     if opts.ln_eps is not None:             # likewise (stage L's check and the precision the stages assume)
-        fp["ln_eps"] = float(opts.ln_eps)
+        from .extraction.block.extract import ln_eps_named
+        v = ln_eps_named(opts.ln_eps)
+        fp["ln_eps"] = v if isinstance(v, str) else float(v)
     # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
     # every position's answer a declaration is either what stage A detects or refused there)
     return fp

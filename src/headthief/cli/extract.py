@@ -14,6 +14,16 @@ from ..pipeline import DEFAULTS as D
 from .target_options import add_target_arguments
 
 
+def _ln_eps_arg(text: str) -> float | str:
+    """``--ln-eps``: a number or ``auto`` (its range is checked with the other options, before any query)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number (e.g. 1e-5) or auto, got {text!r}") from None
+
+
 def add_arguments(e: argparse.ArgumentParser) -> None:
     """The options of ``headthief extract``."""
     add_target_arguments(e)
@@ -63,11 +73,13 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                         "gelu_tanh (transformers' gelu_new / gelu_pytorch_tanh: GPT-2, ALBERT), silu, quick_gelu. A "
                         "block whose answers another explains is refused (exit 5), as a ReLU block is. auto (block, "
                         "free inputs): each class fitted at stage F (and, in float32, refitted), the best kept")
-    e.add_argument("--ln-eps", dest="ln_eps", type=float, default=None, metavar="E",
+    e.add_argument("--ln-eps", dest="ln_eps", type=_ln_eps_arg, default=None, metavar="E|auto",
                    help="block, encoder: the LayerNorms' eps, e.g. 1e-5 (RoBERTa, XLM-R; default: BERT's 1e-12). "
                         "The stages' algebra leaves an eps out, so above 1e-10 its figures are a start at float32's "
                         "precision and the block fits fit the answers with the eps (on free inputs fitted from this "
-                        "value; held on a LayerNorm's image and in --method encoder)")
+                        "value; held on a LayerNorm's image and in --method encoder). auto: measured from the "
+                        "answers (free inputs: stage L's distance from LN2's ellipsoid, then fitted; encoder: "
+                        "stage E fits LN_emb's eps from inputs_embeds that nearly cancel the position offsets)")
     e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
                    help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
                         "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "

@@ -30,6 +30,9 @@ from .layernorm import OutputLayerNorm, fit_output_layernorm
 
 QUERIES = 3            # sequences of random tokens; every position is seen QUERIES times
 JOINT_EVALUATIONS = 50  # a LayerNorm eps given: gamma, beta and the offsets fitted jointly, in this many evaluations
+EPS_QUERIES = 4         # eps="auto": sequences whose inputs_embeds nearly cancel the offsets, every position...
+EPS_SPREAD = (1e-5, 1.0)   # ...LN_emb's input spread per coordinate there, log-uniform (variance 1e-10 to 1)
+EPS_GRID = np.logspace(-16, -2, 57)   # eps="auto": the eps tried before the joint fit (4 a decade)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Embeddings:
     offsets: np.ndarray
     residual: float          # relative residual of the offsets' least squares (model check)
     queries: int
+    eps: float | None = None  # LN_emb's eps as measured (eps="auto"); None: not measured
 
     @property
     def positions(self) -> int:
@@ -109,12 +113,47 @@ def _joint_fit(ln: OutputLayerNorm, A: np.ndarray, X: np.ndarray, offsets: np.nd
     return dataclasses.replace(ln, gamma=sol.x[:d].copy(), beta=sol.x[d:2 * d].copy())
 
 
+def _ln_emb(th: np.ndarray, X: np.ndarray, d: int) -> np.ndarray:
+    """``gamma * LN(X + c_t) + beta`` for ``th = (gamma, beta, offsets..., log eps)``, X (k, length, d)."""
+    g, b, c, eps = th[:d], th[d:2 * d], th[2 * d:-1].reshape(-1, d), np.exp(th[-1])
+    Z = X + c[None]
+    Zc = Z - Z.mean(axis=-1, keepdims=True)
+    return g * Zc / np.sqrt((Zc * Zc).mean(axis=-1, keepdims=True) + eps) + b
+
+
+def _measured_eps(oracle: Oracle, rng: np.random.Generator, ln: OutputLayerNorm, offsets: np.ndarray, A: np.ndarray,
+                  X: np.ndarray, dh: int) -> tuple[OutputLayerNorm, float, np.ndarray, np.ndarray]:
+    """LN_emb's eps from the answers (``--ln-eps auto``): :data:`EPS_QUERIES` sequences of ``inputs_embeds``
+    ``x_t = delta_t - c_t`` (the offsets read without an eps, sent as float32 numbers so that any target reads
+    them exactly), where LN_emb's input is ``delta_t`` up to the offsets' error, its spread per coordinate
+    log-uniform in :data:`EPS_SPREAD`: there ``eps / var`` runs up to 1e6 for eps 1e-4 and 1e-2 for BERT's
+    1e-12. The eps that fits them best on :data:`EPS_GRID` (gamma, beta and the offsets as read), then gamma,
+    beta, the offsets and log eps fitted jointly to every answer of stage E (at most :data:`JOINT_EVALUATIONS`
+    evaluations). Returns ``(ln, eps, X, A)``, X and A with the new queries and answers appended."""
+    from scipy.optimize import least_squares
+    k, length, d = X.shape
+    delta = rng.standard_normal((EPS_QUERIES, length, d))
+    delta -= delta.mean(axis=-1, keepdims=True)
+    spread = np.exp(rng.uniform(*np.log(EPS_SPREAD), (EPS_QUERIES, length, 1)))
+    delta *= spread / np.sqrt((delta * delta).mean(axis=-1, keepdims=True))
+    X2 = (delta - offsets[None]).astype(np.float32).astype(np.float64)
+    A2 = np.asarray(oracle.query(X2), dtype=np.float64)[..., :dh]
+    X, A = np.concatenate([X, X2]), np.concatenate([A, A2])
+    base = np.concatenate([ln.gamma, ln.beta, offsets.ravel()])
+    grid = [float(np.sum((_ln_emb(np.append(base, np.log(e)), X2, d) - A2) ** 2)) for e in EPS_GRID]
+    th0 = np.append(base, np.log(EPS_GRID[int(np.argmin(grid))]))
+    sol = least_squares(lambda th: (_ln_emb(th, X, d) - A).ravel(), th0, method="trf", x_scale="jac",
+                        max_nfev=JOINT_EVALUATIONS)
+    return dataclasses.replace(ln, gamma=sol.x[:d].copy(), beta=sol.x[d:2 * d].copy()), float(np.exp(sol.x[-1])), X, A
+
+
 def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_hidden: int | None = None,
-                    queries: int = QUERIES, eps: float | None = None) -> Embeddings:
+                    queries: int = QUERIES, eps: float | str | None = None, negligible: float = 1e-10) -> Embeddings:
     """Stage E (see the module docstring) from ``queries`` random sequences of ``length`` tokens, reading
     ``hidden_states[0]`` as the first ``d_hidden`` (default d) numbers of every position's answer. ``eps``:
     LN_emb's eps where it is not BERT's negligible one (``--ln-eps``): gamma, beta and the offsets are then
-    fitted jointly with it (:func:`_joint_fit`), and the offsets read again."""
+    fitted jointly with it (:func:`_joint_fit`), and the offsets read again. ``eps="auto"``: measured
+    (:func:`_measured_eps`, ``Embeddings.eps``); above ``negligible`` it is then used as a given one is."""
     d = oracle.d
     dh = d if d_hidden is None else int(d_hidden)
     if queries < 2:
@@ -127,7 +166,15 @@ def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_
     offsets, worst, signs = _offsets(ln, A, X)
     if signs < 0:                                   # the scales are norms: n was -n, gamma_emb is -gamma_emb
         ln = dataclasses.replace(ln, gamma=-ln.gamma)
-    if eps:
+    measured = None
+    if eps == "auto":
+        fitted, measured, X2, A2 = _measured_eps(oracle, rng, ln, offsets, A, X, dh)
+        k = len(X2)
+        eps = measured if measured > negligible else None
+        if eps:                                     # the joint fit with the eps is done: the offsets read again
+            ln = fitted
+            offsets, worst, _ = _offsets(ln, A, X)
+    elif eps:
         # a LayerNorm eps puts h_0 inside LN_emb's sphere by ~eps / var, which the ellipsoid fit above leaves in
         # gamma and beta (measured: 6.5e-6 and the offsets 7.6e-6 at eps 1e-5, float32 d = 8): gamma, beta and
         # the offsets fitted jointly to the answers with the eps, then the offsets read again through that LN
@@ -137,4 +184,4 @@ def embedding_stage(oracle: Oracle, rng: np.random.Generator, *, length: int, d_
     if worst > limit:
         raise ModelMismatch(f"hidden_states[0] is not LN(x + c_t) with one offset per position (relative residual "
                             f"{worst:.3g} > {limit:.2g})", check="embeddings", figure=worst, threshold=limit)
-    return Embeddings(ln=ln, offsets=offsets, residual=worst, queries=k)
+    return Embeddings(ln=ln, offsets=offsets, residual=worst, queries=k, eps=measured)

@@ -320,7 +320,7 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
                     positions: int | None = None, progress=None, activation: str = "gelu",
-                    ln_eps: float | None = None) -> EncoderExtraction:
+                    ln_eps: float | str | None = None) -> EncoderExtraction:
     """Stage E, then every block from forward paths (module docstring). ``oracle``: an encoder API answering
     ``(layers + 1) d`` numbers per position (every layer's hidden states), float64. A refusal of the model
     class first asks one sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): an
@@ -330,7 +330,9 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     float32's precision or :data:`EPS_SHARE` x the eps, whichever is coarser; every block's fits hold the told
     eps (on the image it is barely seen; LN_emb's gamma and beta are refitted with it,
     :func:`.embeddings.embedding_stage`); and ``inputs_embeds`` are sent at :data:`EPS_SCALE` x sqrt(d) about
-    the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x EPS_SCALE^2) only."""
+    the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x EPS_SCALE^2) only. ``ln_eps="auto"``:
+    LN_emb's eps measured at stage E (:func:`.embeddings._measured_eps`) and taken as every LayerNorm's (one
+    ``layer_norm_eps`` in every transformers config); BERT's where it is at most ``LN_EPS_EXACT``."""
     from ..precision import refuse_if_random
     try:
         return _extract_encoder(oracle, layers=layers, heads=heads, ffn=ffn, rng=rng, length=length, verify=verify,
@@ -343,12 +345,13 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
 
 def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int,
                      length: int, verify: int, check: bool, check_rng, positions: int | None,
-                     progress, activation: str = "gelu", ln_eps: float | None = None) -> EncoderExtraction:
+                     progress, activation: str = "gelu", ln_eps: float | str | None = None) -> EncoderExtraction:
     """:func:`extract_encoder`'s stages."""
-    from .extract import LN_EPS_START, activation_named, ln_eps_told
+    from .extract import AUTO_EPS, LN_EPS_EXACT, LN_EPS_START, activation_named, ln_eps_told
     rng = np.random.default_rng(rng)
     act_name = activation_named(activation)
     ln_eps, loose = ln_eps_told(ln_eps)
+    auto = ln_eps == AUTO_EPS               # measured at stage E (LN_emb's; every LayerNorm taken to share it)
     model = MODEL if act_name == "gelu" else MODEL.replace("then blocks", f"then blocks with a {act_name} FFN")
     d = oracle.d
     if not oracle.output.vector or oracle.d_out != (layers + 1) * d:
@@ -368,12 +371,16 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                           stages=("E",) + tuple(f"block {k}" for k in range(layers)))
     done, st = ck.load()                    # a journal's checkpoint: go on after the last block it holds
     if done is None:
-        emb = embedding_stage(oracle, rng, length=length, d_hidden=d, eps=ln_eps if loose else None)
+        emb = embedding_stage(oracle, rng, length=length, d_hidden=d, negligible=LN_EPS_EXACT,
+                              eps=AUTO_EPS if auto else ln_eps if loose else None)
         if progress is not None:
             progress(int(oracle.queries - q_start))
         st = {"emb": emb, "blocks": [], "per": [], "figures": [], "worst_eps": 0.0, "kind": None}
         ck.save("E", st)
     emb = st["emb"]
+    if auto:                                # as stage E measured it (a resume reads it back)
+        ln_eps = emb.eps if emb.eps is not None and emb.eps > LN_EPS_EXACT else None
+        loose = ln_eps is not None
     scale = None
     if loose:                               # large inputs_embeds: LN_emb's eps nearly vanishes from hidden_states[0]
         scale = EPS_SCALE * float(np.sqrt(d))
@@ -506,6 +513,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                             seconds=time.perf_counter() - t0, per_block=tuple(per),
                             diagnostics={"blocks": figures, "embedding_residual": emb.residual, "activation": act_name,
                                          **({"ln_eps": float(np.median([b.eps for b in blocks]))} if loose else {}),
+                                         **({"ln_eps_measured": emb.eps} if auto else {}),
                                          **{f"queries_block_{i}": f["queries"] for i, f in enumerate(figures)},
                                          **{f"fidelity_block_{i}": f["fidelity"] for i, f in enumerate(figures)},
                                          **{f"fit_attempts_block_{i}": f["fit_attempts"]

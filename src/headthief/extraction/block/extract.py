@@ -95,25 +95,45 @@ LN_EPS_TOKENS = 2000   # --ln-eps: one-token queries of small norms added to the
 LN_EPS_NORMS = (1e-3, 0.5)   # ...log-uniform between these multiples of the token norm
 
 
-def ln_eps_named(ln_eps) -> float | None:
-    """``ln_eps`` (``--ln-eps``) as a float in ``(0, LN_EPS_MAX]``, or None (BERT's 1e-12); else a
-    :class:`SpecError` naming it."""
+AUTO_EPS = "auto"      # --ln-eps auto: the eps measured from the answers (ln_eps_measured; stage E's on an encoder)
+
+
+def ln_eps_named(ln_eps) -> float | str | None:
+    """``ln_eps`` (``--ln-eps``) as a float in ``(0, LN_EPS_MAX]``, :data:`AUTO_EPS` (measured from the answers),
+    or None (BERT's 1e-12); else a :class:`SpecError` naming it."""
     if ln_eps is None:
         return None
+    if isinstance(ln_eps, str) and ln_eps.strip().lower() == AUTO_EPS:
+        return AUTO_EPS
     try:
         v = float(ln_eps)
     except (TypeError, ValueError):
-        raise SpecError(f"--ln-eps must be a number (the LayerNorms' eps, e.g. 1e-5), got {ln_eps!r}") from None
+        raise SpecError(f"--ln-eps must be a number (the LayerNorms' eps, e.g. 1e-5) or auto, got {ln_eps!r}") from None
     if not 0.0 < v <= LN_EPS_MAX:
         raise SpecError(f"--ln-eps must lie in (0, {LN_EPS_MAX:g}] (BERT's is 1e-12, RoBERTa's 1e-5), got {v:g}")
     return v
 
 
-def ln_eps_told(ln_eps) -> tuple[float | None, bool]:
+def ln_eps_told(ln_eps) -> tuple[float | str | None, bool]:
     """:func:`ln_eps_named`'s value and whether it is above :data:`LN_EPS_EXACT` (``loose``: the stages' algebra
-    is then a start at float32's precision), as every route that takes ``--ln-eps`` reads it."""
+    is then a start at float32's precision), as every route that takes ``--ln-eps`` reads it. :data:`AUTO_EPS`
+    is not loose until measured (:func:`ln_eps_measured`)."""
     v = ln_eps_named(ln_eps)
-    return v, v is not None and v > LN_EPS_EXACT
+    return v, v is not None and v != AUTO_EPS and v > LN_EPS_EXACT
+
+
+def ln_eps_measured(ln: OutputLayerNorm, precision: float) -> float | None:
+    """``--ln-eps auto`` on free inputs: None (BERT's negligible eps) where stage L's answers lie on LN2's
+    ellipsoid within :func:`~.layernorm.check_on_ellipsoid`'s limit for BERT's eps, else the block refit's start
+    for the eps, the distance itself (rms of ``|n|^2 / d - 1``, about ``eps / var`` with var LN2's input
+    variance, taken as 1), at most :data:`LN_EPS_MAX` (a distance 100x beyond is refused by that check).
+    R fits the eps from there and runs again where it moved more than :data:`LN_EPS_MOVED` (measured: a start
+    100x low found 1e-5)."""
+    from ...models.bert_block import BERT_EPS
+    from .layernorm import SPHERE_EPS, SPHERE_PRECISION
+    if ln.sphere_residual <= max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS):
+        return None
+    return float(min(max(ln.sphere_residual, 10 * LN_EPS_EXACT), LN_EPS_MAX))
 
 
 @dataclass(frozen=True, eq=False)
@@ -402,7 +422,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
                   check: bool = True, verify: int = 256, check_rng=0, progress=None,
                   stage_f: str = "auto", max_tflop: float = MAX_TFLOP,
                   refit_device: str | None = None, activation: str = "gelu",
-                  ln_eps: float | None = None) -> BlockExtraction:
+                  ln_eps: float | str | None = None) -> BlockExtraction:
     """Stages L, activation, V, F, A (module docstring) and the model check on ``verify`` fresh sequences
     (:func:`_extract_block`). ``activation``: the FFN's assumed activation (:mod:`headthief.models.activations`:
     BERT's exact ``gelu`` by default, or ``gelu_tanh``, ``silu``, ``quick_gelu``); a block whose answers
@@ -413,7 +433,8 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
     LayerNorms' eps (None: BERT's 1e-12, which the stages' algebra leaves out exactly; RoBERTa and many others
     use 1e-5). An eps above :data:`LN_EPS_EXACT` moves the answers by ~eps / var, so the algebra's figures are
     then a start at float32's precision and the refits fit the answers with the eps in their loss (the route
-    float32 answers take), float64 answers too."""
+    float32 answers take), float64 answers too. ``ln_eps="auto"``: measured from stage L's answers
+    (:func:`ln_eps_measured`: BERT's where they lie on LN2's ellipsoid, else the block refit's start)."""
     try:
         return _extract_block(oracle, heads=heads, ffn=ffn, rng=rng, check=check, verify=verify,
                               check_rng=check_rng, progress=progress, stage_f=stage_f, max_tflop=max_tflop,
@@ -426,7 +447,7 @@ def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np
 def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.random.Generator | int,
                    check: bool, verify: int, check_rng, progress, stage_f: str, max_tflop: float,
                    refit_device: str | None, activation: str = "gelu",
-                   ln_eps: float | None = None) -> BlockExtraction:
+                   ln_eps: float | str | None = None) -> BlockExtraction:
     """:func:`extract_block`'s stages L, activation, V, F, A and the model check on ``verify`` fresh sequences.
     ``heads``: H, or None to read it from the second-order reads' rank; ``ffn``: the FFN's width;
     ``stage_f``: ``full`` (tangent Jacobians), ``probes`` (:mod:`.ffn_probes`) or ``auto`` (probes where
@@ -448,6 +469,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     device = check_device(refit_device)           # before the first query
     act = activation_named(activation, auto=True)
     ln_eps, loose = ln_eps_told(ln_eps)          # loose: an eps the algebra leaves out, a start refitted
+    auto = ln_eps == AUTO_EPS                     # measured at stage L (ln_eps_measured)
     if probes:
         check_fits(d, int(ffn))                   # before the first query
     t0 = time.perf_counter()
@@ -485,6 +507,10 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         ln = fit_output_layernorm(Y)
         kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
         eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))), LN_EPS_START if loose else 0.0)
+        if auto:
+            ln_eps = ln_eps_measured(ln, eps)
+            loose = ln_eps is not None
+            eps = max(eps, LN_EPS_START) if loose else eps
         check_on_ellipsoid(ln, eps, ln_eps=ln_eps)
         mark("L", q0)
         q0 = oracle.queries
@@ -493,9 +519,12 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         q0 = oracle.queries
         vs = value_sum(oracle, rng, precision=eps, scale=scale)
         mark("V", q0)
-        st = {"Y": Y, "X_ln": X_ln, "ln": ln, "kind": kind, "eps": eps, "ratio": ratio, "vs": vs}
+        st = {"Y": Y, "X_ln": X_ln, "ln": ln, "kind": kind, "eps": eps, "ratio": ratio, "vs": vs, "ln_eps": ln_eps}
         ck.save("V", {**st, "stages": stages, "seconds": seconds})
     Y, X_ln, ln, kind, eps, ratio, vs = (st[k] for k in ("Y", "X_ln", "ln", "kind", "eps", "ratio", "vs"))
+    if auto:                                      # as measured when stage L ran (a resume reads it back)
+        ln_eps = st["ln_eps"]
+        loose = ln_eps is not None
     plan = planned(d, int(ffn), probes=probes, coarse=eps > COARSE)
     if over_limit(plan, max_tflop):
         raise _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0,
@@ -657,8 +686,11 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # the eps fitted far from the told one: R ends slowed on the path (measured: told 1e-7, eps 1e-5 found,
             # the FFN's parts 5e-4 - 8.8e-4, R's rms 3.9x the noise); L-BFGS again from there, the better kept
             describe(f"R block refit again (the LayerNorms' eps moved from {ln_eps:.2g} to {block.eps:.2g})")
-            block2, brefit2 = refit_block(block, groups, rng=rng, progress=fit_progress("R block refit"),
-                                          device=device, ln_eps="fit")
+            try:
+                block2, brefit2 = refit_block(block, groups, rng=rng, progress=fit_progress("R block refit"),
+                                              device=device, ln_eps="fit")
+            except ConvergenceError:          # the first run had ended at the answers' floor: nothing to gain
+                block2, brefit2 = block, {"block_refit_rms_after": np.inf}    # (measured: --ln-eps auto, seed 22031)
             if brefit2["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
                 brefit2["block_refit_rms_before"] = brefit["block_refit_rms_before"]
                 brefit2["block_refit_iterations"] += brefit["block_refit_iterations"]
@@ -680,6 +712,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     spent = ck.spent()
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
             "activation": block.activation, "activation_assumed": act, "ln_eps": float(block.eps),
+            **({"ln_eps_auto_start": ln_eps} if auto else {}),     # None: on the ellipsoid, BERT's eps kept
             "activation_fits": part.info.get("activation_fits"),
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),

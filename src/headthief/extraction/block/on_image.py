@@ -46,8 +46,8 @@ from ..check import cost, counters
 from ..result import Fidelity, rel_err
 from .block_refit import refit_block
 from ..precision import ModelCheck
-from .extract import (CHECK_FACTOR, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named, block_errors,
-                      ln_eps_told, model_of, parts_of)
+from .extract import (AUTO_EPS, CHECK_FACTOR, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named,
+                      block_errors, ln_eps_told, model_of, parts_of)
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
@@ -141,6 +141,9 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
     rng = np.random.default_rng(rng)
     act_name = activation_named(activation)
     ln_eps, loose = ln_eps_told(ln_eps)
+    if ln_eps == AUTO_EPS:                        # before the first query
+        raise SpecError("--ln-eps auto is measured on free inputs (stage L's ellipsoid, then the block refit) or by "
+                        "--method encoder (stage E); on a LayerNorm's image the fits hold the eps: give its value")
     d = oracle.d
     t0 = time.perf_counter()
     before = counters(oracle)
