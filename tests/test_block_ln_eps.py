@@ -213,6 +213,7 @@ def test_auto_measures_a_roberta_eps_on_free_inputs():
     row = rep.row
     assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
     assert row["ln_eps_auto_start"] is not None and abs(row["ln_eps"] / 1e-5 - 1) <= 0.3
+    assert "off LN2's ellipsoid" in row["ln_eps_auto"]
     assert max(row[k] for k in ("ln2_gamma_rel_err", "B_rel_err", "O_rel_err", "W_rel_err", "W1_rel_err",
                                 "W2_rel_err", "ffn_bias_rel_err")) <= 1e-4
     assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)

@@ -48,7 +48,7 @@ from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, NearlyLinearFFN, check_one_token, default_points, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
-from .layernorm import OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
+from .layernorm import SPHERE_EPS, SPHERE_PRECISION, OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
 from .torch_losses import check_device
@@ -130,7 +130,6 @@ def ln_eps_measured(ln: OutputLayerNorm, precision: float) -> float | None:
     R fits the eps from there and runs again where it moved more than :data:`LN_EPS_MOVED` (measured: a start
     100x low found 1e-5)."""
     from ...models.bert_block import BERT_EPS
-    from .layernorm import SPHERE_EPS, SPHERE_PRECISION
     if ln.sphere_residual <= max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS):
         return None
     return float(min(max(ln.sphere_residual, 10 * LN_EPS_EXACT), LN_EPS_MAX))
@@ -507,8 +506,10 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         ln = fit_output_layernorm(Y)
         kind = answer_kind(oracle, Y)             # float64, float32 (read from the answers), or a tolerance
         eps = max(kind.eps, kind.tau / float(np.sqrt(np.mean(Y ** 2))), LN_EPS_START if loose else 0.0)
+        said = None
         if auto:
             ln_eps = ln_eps_measured(ln, eps)
+            said = _auto_said(ln, eps, ln_eps)      # at the answers' own precision, before the route's floor
             loose = ln_eps is not None
             eps = max(eps, LN_EPS_START) if loose else eps
         check_on_ellipsoid(ln, eps, ln_eps=ln_eps)
@@ -519,7 +520,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         q0 = oracle.queries
         vs = value_sum(oracle, rng, precision=eps, scale=scale)
         mark("V", q0)
-        st = {"Y": Y, "X_ln": X_ln, "ln": ln, "kind": kind, "eps": eps, "ratio": ratio, "vs": vs, "ln_eps": ln_eps}
+        st = {"Y": Y, "X_ln": X_ln, "ln": ln, "kind": kind, "eps": eps, "ratio": ratio, "vs": vs, "ln_eps": ln_eps,
+              "ln_eps_auto": said}
         ck.save("V", {**st, "stages": stages, "seconds": seconds})
     Y, X_ln, ln, kind, eps, ratio, vs = (st[k] for k in ("Y", "X_ln", "ln", "kind", "eps", "ratio", "vs"))
     if auto:                                      # as measured when stage L ran (a resume reads it back)
@@ -712,7 +714,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     spent = ck.spent()
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
             "activation": block.activation, "activation_assumed": act, "ln_eps": float(block.eps),
-            **({"ln_eps_auto_start": ln_eps} if auto else {}),     # None: on the ellipsoid, BERT's eps kept
+            **({"ln_eps_auto_start": ln_eps, "ln_eps_auto": st.get("ln_eps_auto")} if auto else {}),
             "activation_fits": part.info.get("activation_fits"),
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
@@ -735,6 +737,18 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         return dataclasses.replace(res, check=ModelCheck("unchecked", model_of(act),
                                                          detail="the model check was skipped"))
     return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
+
+
+def _auto_said(ln: OutputLayerNorm, precision: float, start: float | None) -> str:
+    """What ``--ln-eps auto`` read from stage L's answers (:func:`ln_eps_measured`), for the row."""
+    from ...models.bert_block import BERT_EPS
+    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS)
+    if start is None:
+        return (f"BERT's {BERT_EPS:g} kept: stage L's answers lie on LN2's ellipsoid (distance "
+                f"{ln.sphere_residual:.2g} within {limit:.2g}), so an eps below about {limit:.2g} x LN2's input "
+                "variance does not show in them")
+    return (f"stage L's answers lie {ln.sphere_residual:.2g} off LN2's ellipsoid (beyond {limit:.2g}): the block "
+            f"refit fitted the eps from {start:.2g}")
 
 
 def _stage_figures(stages: dict, seconds: dict, ratio: float, ln: OutputLayerNorm, vs: ValueSum) -> dict[str, Any]:
