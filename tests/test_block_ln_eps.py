@@ -219,6 +219,20 @@ def test_auto_measures_a_roberta_eps_on_free_inputs():
     assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
 
 
+def test_auto_fits_again_from_a_higher_eps_where_r_lets_it_fall(monkeypatch):
+    """A start 10x below the eps (stage L's distance itself, the first build's start): on this block R let the
+    eps fall to 2e-16 with the other parts absorbing it, at 8.6x the answers' noise, inside the check. An eps
+    fallen 100x below its start is fitted again from 10x above it, and the lower rms kept: the eps found."""
+    from headthief.extraction.block import extract
+    monkeypatch.setattr(extract, "LN_EPS_AUTO", 1.0)
+    rep = ht.extract("bert-block:d=12,heads=2,ffn=24,seed=22205,dtype=float32,ln_eps=1e-5", "block", ln_eps="auto",
+                     verify=64, raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["block_refit_eps_from_higher"] == 10 * row["ln_eps_auto_start"]
+    assert abs(row["ln_eps"] / 1e-5 - 1) <= 0.3
+
+
 @pytest.mark.parametrize("eps", [1e-5, 1e-7, BERT_EPS])
 def test_stage_e_measures_the_embeddings_eps(eps):
     """Stage E's ``eps="auto"``: inputs_embeds that nearly cancel the offsets leave LN_emb's input a small known
