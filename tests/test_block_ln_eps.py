@@ -219,6 +219,17 @@ def test_auto_measures_a_roberta_eps_on_free_inputs():
     assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
 
 
+def test_auto_on_a_float32_bert_block_keeps_bert_eps_end_to_end():
+    """A float32 BERT block (eps 1e-12) with ``--ln-eps auto``: on the ellipsoid, BERT's eps kept through every
+    stage and the refits (the float32 route without an eps fitted), extracted as without the option."""
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=8,seed=22034,dtype=float32", "block", ln_eps="auto", verify=64,
+                     raise_errors=False)
+    row = rep.row
+    assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["ln_eps_auto_start"] is None and row["ln_eps"] == BERT_EPS and "kept" in row["ln_eps_auto"]
+    assert row["fidelity_max_rel_err"] <= 100 * UNIT32 * np.sqrt(8)
+
+
 def test_auto_fits_again_from_a_higher_eps_where_r_lets_it_fall(monkeypatch):
     """A start 10x below the eps (stage L's distance itself, the first build's start): on this block R let the
     eps fall to 2e-16 with the other parts absorbing it, at 8.6x the answers' noise, inside the check. An eps

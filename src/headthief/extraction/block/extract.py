@@ -702,7 +702,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                 brefit2["block_refit_iterations"] += brefit["block_refit_iterations"]
                 block, brefit = block2, brefit2
             brefit["block_refit_eps_restarted"] = True
-        if auto and block.eps < ln_eps / LN_EPS_COLLAPSED:
+        if auto and loose and block.eps < ln_eps / LN_EPS_COLLAPSED:
             # stage L saw the answers off LN2's ellipsoid, yet R's eps fell far below its start: a basin where the
             # other parts absorb the eps (measured from a start 10x below the truth, above). R once more from the
             # assembled block at LN_EPS_RAISE x the start, the lower rms kept
