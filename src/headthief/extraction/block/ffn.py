@@ -793,19 +793,39 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
         W2[:, k] = kappa * u / alpha
     # the linear remainder: P (gam m + W2 g + c) = zeta_t n_t, least squares in (c, zeta). Each zeta_t's
     # optimum is the projection on n_t, so c solves sum_t (P - n_t n_t^T)(G_t + c) = 0 (d unknowns, not d + T)
-    G = gelu(M @ W1m.T + b1m) @ W2.T + M * gam                          # (T, d)
-    PG = G - G.mean(axis=1, keepdims=True)
-    A = T * P - ns.T @ ns
-    sol, *_ = np.linalg.lstsq(A, -(PG.sum(axis=0) - ns.T @ np.einsum("td,td->t", ns, PG)), rcond=None)
-    c = P @ sol
+    # The neurons' output scale rides on their coefficients over gamma's, which float32 answers leave biased
+    # alike (measured: unseen seed 22221, d = 12, FFN 24: every W2 column 1.2% long, every direction within
+    # 1e-3); where c dominates u, that bias was amplified into c (144% off) and F+ stalled above its check (a
+    # false exit 5; with the true c it reached the answers' floor). So one common factor k on the neurons' output
+    # is solved with c: sum_t R_t (P gam m_t + k P F_t + c) = 0, R_t = P - n_t n_t^T (d + 1 unknowns)
+    F = gelu(M @ W1m.T + b1m) @ W2.T                                    # (T, d)
+    PF, PGa = F - F.mean(axis=1, keepdims=True), M * gam - (M * gam).mean(axis=1, keepdims=True)
+
+    def R(V):                                                           # R_t applied to each row of V
+        V = V - V.mean(axis=1, keepdims=True)
+        return V - ns * np.einsum("td,td->t", ns, V)[:, None]
+    RF, RG = R(PF), R(PGa)
+    A = np.zeros((d + 1, d + 1))
+    A[:d, :d] = T * P - ns.T @ ns
+    A[:d, d] = A[d, :d] = RF.sum(axis=0)
+    A[d, d] = float(np.sum(PF * RF))
+    rhs = -np.concatenate([RG.sum(axis=0), [float(np.sum(PF * RG))]])
+    sol, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+    c, k = P @ sol[:d], float(sol[d])
+    if not 0.5 <= k <= 2.0:                     # not a small bias: c alone, the neurons' scale as read
+        sol, *_ = np.linalg.lstsq(A[:d, :d], -RG.sum(axis=0) - RF.sum(axis=0), rcond=None)
+        c, k = P @ sol, 1.0
+    W2 = W2 * k
+    G = F * k + M * gam
     # gamma's sign was fixed by sum > 0 (gamma_direction). The pair (LN1, FFN) with u's sign flipped is the
     # same block with LN2's gamma negated (the module's symmetry): the answers' unit n_t must point along u_t,
     # not against it (zeta_t > 0), else stage L's sign rule chose the other representative (measured: a block
     # with sum(gamma_2) < 0 answered fresh one-token queries at fidelity 5.3 before this)
+    PG = G - G.mean(axis=1, keepdims=True)
     if np.median(np.einsum("td,td->t", ns, PG + c)) < 0:
         gam, W2, c = -gam, -W2, -c
-    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, info={**info, "profile_fit_worst": float(max(fits))},
-                   activation=activation)
+    return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, activation=activation,
+                   info={**info, "profile_fit_worst": float(max(fits)), "output_scale_factor": k})
 
 
 def predict_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndarray) -> np.ndarray:
