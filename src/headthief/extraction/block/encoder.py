@@ -234,7 +234,10 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
         # (measured: unseen float32 encoder seed 22717, block 1 at 1.2e-4 of the largest on the first draw)
         data, qd = value_sum_data(paths, k, image, rng, h, BASES)
         q += qd
-        ratios = [(lambda Sv: float(Sv[-1] / Sv[0]))(np.linalg.svd(Z, compute_uv=False)) for _, _, Z, _ in data]
+        ratios = []
+        for _, _, Z, _ in data:
+            Sv = np.linalg.svd(Z, compute_uv=False)
+            ratios.append(float(Sv[-1] / Sv[0]))
         if min(ratios) > RANK_MARGIN * expected:
             break
         if draw == V_DRAWS:
