@@ -652,8 +652,7 @@ def fingerprint(opts: Options) -> dict:
         fp["activation"] = opts.activation
     if opts.ln_eps is not None:             # likewise (stage L's check and the precision the stages assume)
         from .extraction.block.extract import ln_eps_named
-        v = ln_eps_named(opts.ln_eps)
-        fp["ln_eps"] = v if isinstance(v, str) else float(v)
+        fp["ln_eps"] = ln_eps_named(opts.ln_eps)      # a float, or "auto"
     # (not causal: with answers at the last position it changes no query, only the recovered layer's mask; with
     # every position's answer a declaration is either what stage A detects or refused there)
     return fp

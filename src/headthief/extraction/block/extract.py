@@ -48,7 +48,7 @@ from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import FFNPart, NearlyLinearFFN, check_one_token, default_points, extract_ffn
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
-from .layernorm import SPHERE_EPS, SPHERE_PRECISION, OutputLayerNorm, check_on_ellipsoid, fit_output_layernorm
+from .layernorm import OutputLayerNorm, check_on_ellipsoid, ellipsoid_limit, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
 from .torch_losses import check_device
@@ -133,8 +133,7 @@ def ln_eps_measured(ln: OutputLayerNorm, precision: float) -> float | None:
     beyond is refused by that check). R fits the eps from there and runs again where it moved more than
     :data:`LN_EPS_MOVED`. A start above the eps is the safer side: from 10x above R found 1e-5 on every block
     tried, from 10x below one fell to eps 2e-16 (seed 22205, rms 8.6x the noise, inside the check)."""
-    from ...models.bert_block import BERT_EPS
-    if ln.sphere_residual <= max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS):
+    if ln.sphere_residual <= ellipsoid_limit(precision):
         return None
     return float(min(max(LN_EPS_AUTO * ln.sphere_residual, 10 * LN_EPS_EXACT), LN_EPS_MAX))
 
@@ -692,15 +691,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # the eps fitted far from the told one: R ends slowed on the path (measured: told 1e-7, eps 1e-5 found,
             # the FFN's parts 5e-4 - 8.8e-4, R's rms 3.9x the noise); L-BFGS again from there, the better kept
             describe(f"R block refit again (the LayerNorms' eps moved from {ln_eps:.2g} to {block.eps:.2g})")
-            try:
-                block2, brefit2 = refit_block(block, groups, rng=rng, progress=fit_progress("R block refit"),
-                                              device=device, ln_eps="fit")
-            except ConvergenceError:          # the first run had ended at the answers' floor: nothing to gain
-                block2, brefit2 = block, {"block_refit_rms_after": np.inf}    # (measured: --ln-eps auto, seed 22031)
-            if brefit2["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
-                brefit2["block_refit_rms_before"] = brefit["block_refit_rms_before"]
-                brefit2["block_refit_iterations"] += brefit["block_refit_iterations"]
-                block, brefit = block2, brefit2
+            block, brefit = _refit_again(block, brefit, block, groups, rng=rng, device=device,
+                                         progress=fit_progress("R block refit"))
             brefit["block_refit_eps_restarted"] = True
         if auto and loose and block.eps < ln_eps / LN_EPS_COLLAPSED:
             # stage L saw the answers off LN2's ellipsoid, yet R's eps fell far below its start: a basin where the
@@ -708,15 +700,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # assembled block at LN_EPS_RAISE x the start, the lower rms kept
             high = min(LN_EPS_RAISE * ln_eps, LN_EPS_MAX)
             describe(f"R block refit from a higher eps ({high:.2g}: the fitted one fell to {block.eps:.2g})")
-            try:
-                block3, brefit3 = refit_block(dataclasses.replace(start, eps=high), groups, rng=rng,
-                                              progress=fit_progress("R block refit"), device=device, ln_eps="fit")
-            except ConvergenceError:
-                block3, brefit3 = block, {"block_refit_rms_after": np.inf}
-            if brefit3["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
-                brefit3["block_refit_rms_before"] = brefit["block_refit_rms_before"]
-                brefit3["block_refit_iterations"] += brefit["block_refit_iterations"]
-                block, brefit = block3, {**brefit, **brefit3}
+            block, brefit = _refit_again(block, brefit, dataclasses.replace(start, eps=high), groups, rng=rng,
+                                         device=device, progress=fit_progress("R block refit"))
             brefit["block_refit_eps_from_higher"] = high
         refit.update(brefit)
         if tries > 1:
@@ -759,10 +744,25 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     return dataclasses.replace(res, check=_verdict(res, oracle, insample, eps, verify, check_rng))
 
 
+def _refit_again(block, brefit: dict, start, groups, **kw) -> tuple[Any, dict]:
+    """R once more from ``start`` with the eps fitted (``--ln-eps``'s second runs), the lower rms of it and of
+    ``block`` (R's result, ``brefit`` its figures) kept; the row keeps the first run's starting rms and counts
+    both runs' iterations. A run with nothing to gain (the first had ended at the answers' floor: "did not
+    improve", measured with --ln-eps auto, seed 22031) keeps ``block``."""
+    try:
+        new, info = refit_block(start, groups, ln_eps="fit", **kw)
+    except ConvergenceError:
+        return block, brefit
+    if not info["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
+        return block, brefit
+    return new, {**brefit, **info, "block_refit_rms_before": brefit["block_refit_rms_before"],
+                 "block_refit_iterations": brefit["block_refit_iterations"] + info["block_refit_iterations"]}
+
+
 def _auto_said(ln: OutputLayerNorm, precision: float, start: float | None) -> str:
     """What ``--ln-eps auto`` read from stage L's answers (:func:`ln_eps_measured`), for the row."""
     from ...models.bert_block import BERT_EPS
-    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * BERT_EPS)
+    limit = ellipsoid_limit(precision)
     if start is None:
         return (f"BERT's {BERT_EPS:g} kept: stage L's answers lie on LN2's ellipsoid (distance "
                 f"{ln.sphere_residual:.2g} within {limit:.2g}), so an eps below about {limit:.2g} x LN2's input "

@@ -801,8 +801,7 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
     F = gelu(M @ W1m.T + b1m) @ W2.T                                    # (T, d)
     PF, PGa = F - F.mean(axis=1, keepdims=True), M * gam - (M * gam).mean(axis=1, keepdims=True)
 
-    def R(V):                                                           # R_t applied to each row of V
-        V = V - V.mean(axis=1, keepdims=True)
+    def R(V):                                   # R_t on each (centred) row of V: the n_t are centred too
         return V - ns * np.einsum("td,td->t", ns, V)[:, None]
     RF, RG = R(PF), R(PGa)
     A = np.zeros((d + 1, d + 1))
@@ -816,12 +815,11 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
         sol, *_ = np.linalg.lstsq(A[:d, :d], -RG.sum(axis=0) - RF.sum(axis=0), rcond=None)
         c, k = P @ sol, 1.0
     W2 = W2 * k
-    G = F * k + M * gam
     # gamma's sign was fixed by sum > 0 (gamma_direction). The pair (LN1, FFN) with u's sign flipped is the
     # same block with LN2's gamma negated (the module's symmetry): the answers' unit n_t must point along u_t,
     # not against it (zeta_t > 0), else stage L's sign rule chose the other representative (measured: a block
     # with sum(gamma_2) < 0 answered fresh one-token queries at fidelity 5.3 before this)
-    PG = G - G.mean(axis=1, keepdims=True)
+    PG = k * PF + PGa                                                   # P (k F_t + gam m_t)
     if np.median(np.einsum("td,td->t", ns, PG + c)) < 0:
         gam, W2, c = -gam, -W2, -c
     return FFNPart(gamma=gam, c=c, W1m=W1m, b1m=b1m, W2=W2, activation=activation,

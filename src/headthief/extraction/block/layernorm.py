@@ -61,6 +61,13 @@ def constant_coordinates(Y: np.ndarray) -> np.ndarray:
     return np.flatnonzero(Y.std(axis=0) <= FLAT * np.abs(Y).max(axis=0))
 
 
+def ellipsoid_limit(precision: float, ln_eps: float | None = None) -> float:
+    """The distance from the ellipsoid (rms of ``|n|^2 / d - 1``) that answers of relative ``precision`` may
+    keep under a LayerNorm of eps ``ln_eps`` (None: BERT's 1e-12): :func:`check_on_ellipsoid`'s limit."""
+    from ...models.bert_block import BERT_EPS
+    return max(SPHERE_PRECISION * float(precision), SPHERE_EPS * (BERT_EPS if ln_eps is None else float(ln_eps)))
+
+
 def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = "",
                        ln_eps: float | None = None) -> None:
     """Stage L's model check against the answers' precision: ``|n|^2 / d - 1`` (rms, ``ln.sphere_residual``)
@@ -76,9 +83,8 @@ def check_on_ellipsoid(ln: OutputLayerNorm, precision: float, *, where: str = ""
     1.1e-5 (6.0e-7 with eps 1e-12); eps 1e-9 ended at stage F's check, as "not a GELU block". The block
     method takes another eps (``--ln-eps``, :mod:`.extract`)."""
     from ...models.bert_block import BERT_EPS
-    told = BERT_EPS if ln_eps is None else float(ln_eps)
-    limit = max(SPHERE_PRECISION * float(precision), SPHERE_EPS * told)
-    assumed = f"BERT's {BERT_EPS:g}" if ln_eps is None else f"{told:g}"
+    limit = ellipsoid_limit(precision, ln_eps)
+    assumed = f"BERT's {BERT_EPS:g}" if ln_eps is None else f"{float(ln_eps):g}"
     if ln.sphere_residual > limit:
         raise ModelMismatch(
             f"{where}the answers are off the LayerNorm's ellipsoid: rms of |n|^2 / d - 1 is "
