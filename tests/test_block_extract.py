@@ -119,6 +119,16 @@ def test_last_position_answers_are_refused_before_the_first_query():
     assert rep.exit_code == 2 and "every position (--output all)" in rep.error and oracle.queries == 0
 
 
+def test_a_small_block_whose_reads_sit_above_the_old_tolerance_is_extracted():
+    """Unseen bert-block:d=8,heads=2,ffn=16,seed=23407 (float64, 2 heads) was a false exit 5, "not those of 2
+    softmax heads": one read's (H+1)-th singular value 2e4x the reads' nominal precision, against 1e4x allowed.
+    At d = 8 the true count reaches 9.5e3x on 60 seeds, one head too few 2e10x and more: 1e-6 relative is now
+    allowed too (16x above 6.1e-8; a wrong count, the tests around this one, is still refused)."""
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=16,seed=23407", "block", raise_errors=False)
+    assert rep.exit_code == 0, rep.error
+    assert max(rep.row[k] for k in ("O_rel_err", "W_rel_err", "c_rel_err")) <= 1e-6
+
+
 def test_stage_a_with_the_wrong_head_count_is_a_mismatch():
     block = random_block(24, 4, 48, seed=34)
     oracle = ModelOracle(block)

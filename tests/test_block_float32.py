@@ -198,14 +198,20 @@ def test_a_float32_span_that_misses_neurons_is_read_again_from_more_points(monke
     r = rep.row
     assert rep.ok and calls == [None, 2 * default_points(12, 12)] and r["stage_f_reads"] == 2
     assert "made to fail" in r["stage_f_missed"] and r["W1_rel_err"] <= 1e-4
-    # three failed reads end the run, naming them; float64 answers are not read again (their span settles)
+    # three failed reads end the run, naming them
     calls.clear()
     monkeypatch.setattr(extract, "extract_ffn", lambda *a, **kw: failing(*a, fail=9, **kw))
     rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=42,dtype=float32", "block", raise_errors=False)
     assert rep.exit_code == 2 and len(calls) == 3 and "read three times" in rep.error
+    # float64 answers are read again too (unseen float64 bert-block:d=8,heads=2,ffn=16,seed=23403: the span did
+    # not settle at 85 points and did at 170), and every part is then exact
     calls.clear()
+    monkeypatch.setattr(extract, "extract_ffn", failing)
     rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=42", "block", raise_errors=False)
-    assert rep.exit_code == 2 and calls == [None] and "read three times" not in rep.error
+    r = rep.row
+    assert rep.ok and calls == [None, 2 * default_points(12, 12)] and r["stage_f_reads"] == 2
+    assert max(r[k] for k in ("W1_rel_err", "W2_rel_err", "ln1_gamma_rel_err", "W_rel_err")) <= 1e-8
+    assert r["queries_stage_F"] == 2 * default_points(12, 12) * (4 * (12 - 2) + 1) + 64    # the failed read sent none
 
 
 def test_a_nearly_linear_ffn_in_float32_is_named_not_called_another_class():

@@ -574,6 +574,94 @@ def test_the_span_polish_settles_where_the_alternating_steps_stop_short():
         span(J, ms, ns, 4, max_iter=3)
 
 
+def test_the_span_goes_on_from_its_best_iterate_when_a_step_overflows(monkeypatch):
+    """Anderson's extrapolation can throw the nuisances so far that the lift overflows (measured: d = 8, ffn = 20,
+    2 of 3 unseen seeds ended in numpy's "SVD did not converge", exit 2 "degenerate case"). A step whose nuisances
+    are not finite now sends the iteration on from its best iterate, and the span is still the true one."""
+    import scipy.linalg
+    from headthief.extraction.block.ffn import span
+    J, ms, ns, truth = _span_problem(8, 5, 40, seed=6)
+    real, calls = scipy.linalg.lstsq, [0]
+
+    def overflowing(*args, **kwargs):            # every point's solve in the third step returns infinities
+        calls[0] += 1
+        x = real(*args, **kwargs)
+        return (np.full_like(x[0], np.inf),) + tuple(x[1:]) if 80 < calls[0] <= 120 else x
+
+    monkeypatch.setattr(scipy.linalg, "lstsq", overflowing)
+    Q, lifted, _, res = span(J, ms, ns, 5, max_iter=300)
+    assert calls[0] > 120 and res <= 1e-10
+    assert np.linalg.norm(Q - truth @ (truth.T @ Q)) <= 1e-8 * np.sqrt(5)
+
+
+def test_a_polished_end_whose_step_overflows_is_passed_over(monkeypatch):
+    """After the L-BFGS polish two alternating steps test whether it settled; from an ill-conditioned point
+    they can overflow too (measured: unseen bert-block:d=10,heads=2,ffn=48,seed=236482, "SVD did not converge",
+    exit 2). Such an end now counts as not settled and the next start is polished."""
+    import scipy.linalg
+    from headthief.extraction.block.ffn import span
+    J, ms, ns, truth = _span_problem(8, 5, 40, seed=5)
+    real, calls = scipy.linalg.lstsq, [0]
+
+    def overflowing(*args, **kwargs):            # 3 Anderson steps (120 solves), then the first polished end's step
+        calls[0] += 1
+        x = real(*args, **kwargs)
+        return (np.full_like(x[0], np.inf),) + tuple(x[1:]) if 120 < calls[0] <= 160 else x
+
+    monkeypatch.setattr(scipy.linalg, "lstsq", overflowing)
+    Q, lifted, _, res = span(J, ms, ns, 5, max_iter=3)
+    assert calls[0] > 200 and res <= 1e-10
+    assert np.linalg.norm(Q - truth @ (truth.T @ Q)) <= 1e-8 * np.sqrt(5)
+
+
+def test_a_tight_width_whose_steps_overflowed_is_recovered():
+    """The real case behind the test above, as a user runs it: ``bert-block:d=8,heads=2,ffn=20,seed=23021`` (20
+    neurons at d = 8: 15 constraints a point on the span) ended in exit 2, "SVD did not converge" (on this
+    project's 2-core machine; where BLAS rounds otherwise the steps may not overflow, and the run must pass too).
+    Now exit 0 with LN1 and every neuron to 1e-9."""
+    import headthief as ht
+    r = ht.extract("bert-block:d=8,heads=2,ffn=20,seed=23021", method="block", raise_errors=False)
+    assert r.exit_code == 0, r.error
+    for part in ("ln1_gamma_rel_err", "W1_rel_err", "b1_abs_err", "W2_rel_err", "ffn_bias_rel_err"):
+        assert r.row[part] <= 1e-9, part
+
+
+def test_a_ffn_too_wide_for_the_span_is_refused_before_any_query():
+    """ffn + 1 >= (d - 2)^2: a tangent Jacobian's (d - 2)^2 numbers are all taken by the point's own
+    coefficients, so no number of points fixes the span: exit 2 before the first query, on every route that
+    reads full Jacobians (free inputs, the image, the encoder)."""
+    import headthief as ht
+    from headthief.extraction.block.ffn import FFNTooWide, check_span_fits, span_constraints
+    assert span_constraints(8, 35) == 0 and span_constraints(8, 34) == 1 and span_constraints(16, 64) == 131
+    check_span_fits(8, 34)
+    with pytest.raises(FFNTooWide, match=r"ffn \+ 1 = 36 of them"):
+        check_span_fits(8, 35)
+    for spec, method in [("bert-block:d=8,heads=2,ffn=40,seed=1", "block"),
+                         ("bert-block:d=8,heads=2,ffn=40,seed=1,inputs=image", "block"),
+                         ("bert-encoder:d=8,heads=2,ffn=40,layers=2,seed=1", "encoder")]:
+        r = ht.extract(spec, method=method, raise_errors=False)
+        assert r.exit_code == 2 and r.row["queries_sent"] == 0 and "beyond the block method" in r.error, (spec, r.error)
+
+
+def test_a_failure_at_a_tight_width_says_so(monkeypatch):
+    """Where a point leaves fewer than TIGHT constraints on the span, stage F's failure names the count and the
+    widths measured to work; elsewhere its message is unchanged."""
+    import headthief.extraction.block.ffn as ffn_mod
+    from headthief.errors import ConvergenceError
+
+    def stall(*args, **kwargs):
+        raise ConvergenceError("the Jacobian span did not settle")
+
+    monkeypatch.setattr(ffn_mod, "span_and_neurons", stall)
+    for ffn, said in [(30, True), (16, False)]:
+        block = random_block(8, 2, ffn, seed=5)
+        oracle, ln, vs = _stages_lv(block, 5)
+        with pytest.raises(ConvergenceError) as e:
+            ffn_mod.extract_ffn(oracle, ln, vs, np.random.default_rng(0), ffn=ffn, points=20)
+        assert ("near the method's limit" in str(e.value)) is said
+        assert ("= 5 constraints on the span" in str(e.value)) is said
+
+
 def test_the_span_restarts_find_the_basin_of_real_float32_jacobians():
     """Real Jacobians that stalled every fixed start: block 1 of the float32 encoder
     ``bert-encoder:d=8,heads=2,ffn=8,layers=2,seed=566,dtype=float32``, as ``--method encoder`` read them (90

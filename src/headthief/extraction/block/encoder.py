@@ -50,6 +50,7 @@ from ...oracles.base import Oracle
 from .block_refit import refit_block
 from .embeddings import Embeddings, embedding_stage
 from .extract import CHECK_FACTOR, REFIT_LENGTHS
+from .ffn import check_span_fits
 from .ffn_image import MAX_CONDITION, _dm, best_conditioned, condition_cap, extract_ffn_on_image, ln1_input
 from .image import LayerNormImage
 from .layernorm import check_on_ellipsoid, fit_output_layernorm
@@ -371,6 +372,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
     too_large = dense_stage_v(d)
     if too_large:                                                       # refused before the first query
         raise SpecError(f"{too_large} (encoder_parts.extract_encoder_parts reads what is possible at this size)")
+    check_span_fits(d, int(ffn))
     t0 = time.perf_counter()
     from ..check import counters
     before = counters(oracle)

@@ -197,7 +197,19 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
     first = None
     best = np.inf
     for it in range(max_iter):
-        g, Q = step(nu)
+        try:
+            g, Q = step(nu)
+            astray = not np.all(np.isfinite(g))
+        except np.linalg.LinAlgError:
+            astray = True
+        if astray:
+            # Anderson's extrapolation threw the nuisances so far that the lift overflowed (measured: d = 8,
+            # ffn = 20, 2 of 3 unseen seeds, "SVD did not converge" at step 40 - 60): on from the best iterate
+            if best == np.inf:
+                raise ConvergenceError("the Jacobian span's first step failed: the lifted Jacobians are not finite")
+            xs, fs = [], []
+            nu = kept[1]
+            continue
         f = g - nu
         res = float(np.linalg.norm(f))
         first = first if first is not None else max(res, 1e-300)
@@ -238,9 +250,12 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
         if nu0 is None:
             nu0 = RESTART_SCALE / np.sqrt(d) * rng.standard_normal(kept[2].shape)
         nu = _polish(Y, apply, adjoint, nu0, rank, max_iter=polish_iter)
-        g, _ = step(nu)
-        g2, Q = step(g)
-        res = float(np.linalg.norm(g2 - g))
+        try:
+            g, _ = step(nu)
+            g2, Q = step(g)
+            res = float(np.linalg.norm(g2 - g))
+        except np.linalg.LinAlgError:   # the steps threw the polished end too far (measured: d = 10, ffn = 48,
+            res = np.inf                # an unseen seed's "SVD did not converge"); its energy still competes below
         if settled(res):
             return Q, lift(g2), max_iter, res
         e = energy(nu)                  # the polished end itself: where a point's least squares is ill-conditioned
@@ -290,7 +305,11 @@ def _polish(Y: np.ndarray, apply, adjoint, nu0: np.ndarray, rank: int, *, max_it
     shape = nu0.shape
 
     def fun(x):
-        R = _outside(Y + apply(x.reshape(shape)), rank)
+        L = Y + apply(x.reshape(shape))
+        try:
+            R = _outside(L, rank)
+        except np.linalg.LinAlgError:   # a line search's trial step far out (measured: d = 8, ffn = 28, 210 points)
+            return np.inf, np.zeros_like(x)
         return float(np.sum(R * R)), 2.0 * adjoint(R).ravel()
 
     x0 = nu0.ravel()
@@ -622,6 +641,47 @@ def tolerances(precision: float, d: int) -> tuple[float, float]:
     return 30 * expected, min(1e3 * expected, 0.1)
 
 
+def span_constraints(d: int, ffn: int) -> int:
+    """What one tangent Jacobian tells about the span W beyond the point's own unknowns: it shows (d - 2)^2
+    numbers (d - 2 tangent directions in; out, LN2 hides n and the ones, as LN1 hides m and the ones) and W
+    takes ffn + 1 of them as the point's coefficients, so ``(d - 2)^2 - (ffn + 1)``. W itself has
+    ``(ffn + 1) ((d - 1)^2 - ffn - 1)`` degrees of freedom, which the points must outnumber together."""
+    return (d - 2) ** 2 - (ffn + 1)
+
+
+TIGHT = 19             # span_constraints below this (d = 8: ffn >= 17): stage F's first read often fails
+                       # (measured, float64, 85 - 145 points: ffn 16 9/10, 18 4/5, 20 3/4, 22 2/4, 24 0/4,
+                       # 26 1/4, 28 0/3), and a failure says so (tight_note)
+
+
+class FFNTooWide(NotIdentifiable):
+    """A FFN too wide for stage F's span at this d (:func:`check_span_fits`): a property of the sizes, so
+    fresh points do not help."""
+
+
+def check_span_fits(d: int, ffn: int) -> None:
+    """:class:`FFNTooWide` (before any query) where tangent Jacobians cannot fix the span at all: ``ffn + 1 >=
+    (d - 2)^2`` (:func:`span_constraints` <= 0; any (ffn + 1)-dimensional W fits every point)."""
+    if span_constraints(d, ffn) <= 0:
+        raise FFNTooWide(f"a FFN of width {ffn} at d = {d} is beyond the block method: a tangent Jacobian shows "
+                         f"(d - 2)^2 = {(d - 2) ** 2} numbers and the FFN's span takes ffn + 1 = {ffn + 1} of them "
+                         f"as each point's own coefficients, so no point constrains the span (the method needs "
+                         f"ffn + 1 < (d - 2)^2, and a few to spare: measured at d = 8 on unseen seeds, ffn = 28 with "
+                         f"7 to spare 3 of 3 extracted, ffn = 30 with 5 2 of 3, ffn = 32 with 3 none)")
+
+
+def tight_note(d: int, ffn: int) -> str:
+    """Said with a span or neuron failure where :func:`span_constraints` is below TIGHT ('' otherwise)."""
+    c = span_constraints(d, ffn)
+    if c >= TIGHT:
+        return ""
+    return (f"; this width is near the method's limit at d = {d}: each tangent Jacobian leaves (d - 2)^2 - (ffn + 1) "
+            f"= {c} constraint{'s' if c != 1 else ''} on the span beyond its own coefficients (measured, float64, "
+            "stage F read from up to 4x its points, unseen seeds: d = 8 with ffn 18 - 28, 17 down to 7 constraints, "
+            "22 of 22 extracted; ffn 30, 5 constraints, 2 of 3; ffn 32, 3 constraints, 0 of 3); it is not an error "
+            "of the target")
+
+
 def default_points(d: int, ffn: int) -> int:
     """Stage F's Jacobian points by default: ``max(5 (ffn + 1), 2 d)`` (3 (ffn + 1) left a d = 16 seed
     unsettled, measured)."""
@@ -640,18 +700,26 @@ def extract_ffn(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.rando
     ``progress(step, residual)`` is told of the span's steps, ``found_progress(found, ffn, starts)`` of each
     neuron found."""
     d = oracle.d
+    check_span_fits(d, ffn)                         # before the Jacobians' queries
     T = points or default_points(d, ffn)
     J, ms, ns, q = (jacobians(oracle, ln, vs, rng, points=T, r=r, precision=precision) if reader is None
                     else reader(rng, T))
     span_tol, rank_tol = tolerances(precision, d)
     coarse = precision > COARSE
-    # a start (behind an earlier block: a span good to ~1e-9) gets the neuron search's wider tolerances too, as
-    # float32 spans do (unseen encoder seed 15015, FFN 16: 14 of 16 neurons on 3 tries at the strict one)
-    Q, lifted, iters, change, pairs, starts = span_and_neurons(J, ms, ns, ffn, rng, tol=span_tol, rank_tol=rank_tol,
-                                                               coarse=coarse or start, best_on_stall=coarse or start,
-                                                               max_iter=max_iter, progress=progress,
-                                                               found_progress=found_progress)
-    gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
+    try:
+        # a start (behind an earlier block: a span good to ~1e-9) gets the neuron search's wider tolerances too,
+        # as float32 spans do (unseen encoder seed 15015, FFN 16: 14 of 16 neurons on 3 tries at the strict one)
+        Q, lifted, iters, change, pairs, starts = span_and_neurons(
+            J, ms, ns, ffn, rng, tol=span_tol, rank_tol=rank_tol, coarse=coarse or start,
+            best_on_stall=coarse or start, max_iter=max_iter, progress=progress, found_progress=found_progress)
+        gam = gamma_direction(Q, d, gap=30.0 if coarse else 1e3)
+    except NearlyLinearFFN:
+        raise
+    except (ConvergenceError, NotIdentifiable) as e:
+        note = tight_note(d, ffn)
+        if not note:
+            raise
+        raise type(e)(f"{e}{note}") from e
     coef = coefficients(lifted, gam, pairs)
     info = {"queries": q, "points": T, "span_iterations": iters, "span_change": change, "starts": starts,
             "fitted": ["span (iterated)", "neuron profiles (1-D fits)"]}

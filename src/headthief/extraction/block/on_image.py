@@ -48,6 +48,7 @@ from .block_refit import refit_block
 from ..precision import ModelCheck
 from .extract import (AUTO_EPS, CHECK_FACTOR, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named,
                       block_errors, ln_eps_told, model_of, parts_of)
+from .ffn import check_span_fits
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
@@ -145,6 +146,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
         raise SpecError("--ln-eps auto is measured on free inputs (stage L's ellipsoid, then the block refit) or by "
                         "--method encoder (stage E); on a LayerNorm's image the fits hold the eps: give its value")
     d = oracle.d
+    check_span_fits(d, int(ffn))                  # before the first query
     t0 = time.perf_counter()
     before = counters(oracle)
     stages: dict[str, Any] = {}
