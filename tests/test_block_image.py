@@ -120,8 +120,9 @@ def test_the_whole_block_on_the_image_from_the_cli(capsys):
         assert out[key] <= 1e-9, (key, out[key])                    # LN1 and every neuron (stage F) included
     assert out["fidelity_max_rel_err"] <= 1e-9 and "heads" in out["fitted"]
     assert out["queries_stage_V"] == 3 * 8 * (d - 2)
-    # each try of stage F reads 5 (ffn + 1) points (a failed span or neuron search is tried again at fresh ones)
-    assert out["queries_stage_F"] == out["ffn_attempts"] * 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
+    # stage F's first try reads 5 (ffn + 1) points (a failed span or neuron search is tried again at 2x, then 4x as
+    # many fresh ones)
+    assert out["queries_stage_F"] == (2 ** out["ffn_attempts"] - 1) * 5 * (ffn + 1) * (4 * (d - 2) + 1) + 64
     assert out["queries_stage_A"] == sum(fit_counts(d, ffn)) == 125 + 63 + 32 + 16       # 1,000 positions
     stages = ("L", "activation", "V", "F", "A")
     assert out["queries"] == sum(out[f"queries_stage_{s}"] for s in stages) and out["verify_queries"] == 32
@@ -143,3 +144,37 @@ def test_the_image_route_refuses_what_it_cannot_do(capsys):
     t = resolve("bert-block:d=8,heads=2,ffn=8,seed=1,inputs=image")
     with pytest.raises(InvalidQuery, match="off the previous LayerNorm's image"):
         t.make_oracle().query(np.ones((1, 2, 8)))
+
+
+def test_stage_f_on_the_image_is_tried_again_from_more_points(monkeypatch):
+    """A failed span on the image is read again from 2x, then 4x as many fresh points (it was the same count
+    three times: unseen bert-block:d=8,heads=2,ffn=24,seed=23804,inputs=image, 11 constraints a point on the
+    span, exit 4; now exit 0 on its second try). Here the first try is made to fail; a FFN too wide for any
+    count is not tried again."""
+    import headthief as ht
+    from headthief.errors import ConvergenceError, NotIdentifiable
+    from headthief.extraction.block import ffn_image
+    from headthief.extraction.block.ffn import FFNTooWide, default_points
+    real, calls = ffn_image.extract_ffn, []
+
+    def failing(*args, **kw):
+        calls.append(kw["points"])
+        if len(calls) == 1:
+            raise ConvergenceError("the Jacobian span did not settle (made to fail)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ffn_image, "extract_ffn", failing)
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=8,seed=21,inputs=image", "block", verify=32)
+    base = default_points(8, 8)
+    assert rep.ok and calls == [base, 2 * base] and rep.row["ffn_attempts"] == 2
+    assert rep.row["W1_rel_err"] <= 1e-9
+    def too_wide(*args, **kw):
+        calls.append(kw["points"])
+        raise FFNTooWide("too wide (made to fail)")
+
+    monkeypatch.setattr(ffn_image, "extract_ffn", too_wide)
+    calls.clear()
+    with pytest.raises(NotIdentifiable, match="made to fail"):
+        ffn_image.extract_ffn_on_image(ModelOracle(random_block(8, 2, 8, seed=1)), None, np.random.default_rng(0),
+                                       ffn=8, reader=None)
+    assert calls == [base]

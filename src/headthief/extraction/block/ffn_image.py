@@ -25,7 +25,7 @@ import dataclasses
 
 from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
-from .ffn import CHECK_FACTOR, FFNPart, NearlyLinearFFN, extract_ffn
+from .ffn import CHECK_FACTOR, FFNPart, FFNTooWide, NearlyLinearFFN, default_points, extract_ffn
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, stencil_derivative
 from .value_sum_image import ImageValueSum
@@ -119,16 +119,18 @@ TRIES = 3                 # stage F on the image: fresh points after a span or n
 def extract_ffn_on_image(oracle: Oracle, ln: OutputLayerNorm, rng: np.random.Generator, *, ffn: int, reader,
                          start: bool = False, precision: float = 1e-15, tries: int = TRIES,
                          points: int | None = None, activation: str = "gelu") -> FFNPart:
-    """:func:`.ffn.extract_ffn` with ``reader``, tried again at fresh points when its span does not settle or
-    its neuron search fails (measured: 1 of 8 draws at d = 8, ffn = 8 on one block; the image's reachable cap
-    makes some point sets poor). ``info["attempts"]`` says how many were needed; the last error is raised
-    after ``tries``."""
+    """:func:`.ffn.extract_ffn` with ``reader``, tried again at fresh points, 2x then 4x as many, when its span
+    does not settle or its neuron search fails (measured: 1 of 8 draws at d = 8, ffn = 8 on one block, the
+    image's reachable cap making some point sets poor; and at d = 8, ffn = 24 three draws of 125 points failed
+    on one block, where each point leaves 11 constraints on the span: docs/block.md, "Small d").
+    ``info["attempts"]`` says how many were needed; the last error is raised after ``tries``."""
     last = None
+    base = points or default_points(oracle.d, ffn)
     for attempt in range(1, tries + 1):
         try:
             part = extract_ffn(oracle, ln, None, rng, ffn=ffn, reader=reader, start=start, precision=precision,
-                               points=points, activation=activation)
-        except NearlyLinearFFN:                 # a property of the block: fresh points do not help
+                               points=base * 2 ** (attempt - 1), activation=activation)
+        except (NearlyLinearFFN, FFNTooWide):   # a property of the block: fresh points do not help
             raise
         except (ConvergenceError, NotIdentifiable) as e:
             last = e
