@@ -600,7 +600,7 @@ def test_the_span_goes_on_when_a_step_overflows(monkeypatch, seed, max_iter, ove
 
 
 def test_a_tight_width_whose_steps_overflowed_is_recovered():
-    """The real case behind the first of the tests above, as a user runs it: ``bert-block:d=8,heads=2,ffn=20,seed=23021`` (20
+    """The real case behind the first case above, as a user runs it: ``bert-block:d=8,heads=2,ffn=20,seed=23021`` (20
     neurons at d = 8: 15 constraints a point on the span) ended in exit 2, "SVD did not converge" (on this
     project's 2-core machine; where BLAS rounds otherwise the steps may not overflow, and the run must pass too).
     Now exit 0 with LN1 and every neuron to 1e-9."""
