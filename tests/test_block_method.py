@@ -645,6 +645,10 @@ def test_a_failure_at_a_tight_width_says_so(monkeypatch):
             ffn_mod.extract_ffn(oracle, ln, vs, np.random.default_rng(0), ffn=ffn, points=20)
         assert ("near the method's limit" in str(e.value)) is said
         assert ("= 5 constraints on the span" in str(e.value)) is said
+    # end to end stage F is read three times: the note is said once, with the last read's message
+    import headthief as ht
+    rep = ht.extract("bert-block:d=8,heads=2,ffn=30,seed=5", "block", raise_errors=False)
+    assert rep.exit_code == 4 and "read three times" in rep.error and rep.error.count("near the method's limit") == 1
 
 
 def test_the_span_restarts_find_the_basin_of_real_float32_jacobians():

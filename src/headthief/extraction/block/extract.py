@@ -45,8 +45,8 @@ from ..check import counters, cost, fresh_verdict
 from ..precision import (NOISE_POINTS, NOISE_SEGMENTS, ModelCheck, answer_kind, noise_segments, refuse_half_precision,
                          refuse_if_random, token_scale, vector_answer_noise)
 from ..result import Fidelity, freeze_fields, rel_err
-from .ffn import (FFNPart, FFNTooWide, NearlyLinearFFN, check_one_token, check_span_fits, default_points,
-                  extract_ffn)
+from .ffn import (FFNPart, NearlyLinearFFN, check_one_token, check_span_fits, default_points, extract_ffn,
+                  tight_note)
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
 from .heads import Heads, extract_heads, stage_a_queries
 from .layernorm import OutputLayerNorm, check_on_ellipsoid, ellipsoid_limit, fit_output_layernorm
@@ -573,12 +573,12 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                     span_part = read_f(**({} if more == 1 else {"points": more * base}))
                     break
                 except (ConvergenceError, NotIdentifiable) as e:
-                    if probes or isinstance(e, (NearlyLinearFFN, FFNTooWide)):
+                    if probes or isinstance(e, NearlyLinearFFN):     # (a FFN too wide: refused up front)
                         raise
                     if more == 4:
                         raise type(e)(f"{e} (stage F read three times, from {base}, 2x and 4x as many fresh points; "
                                       f"the first two: {'; '.join(missed)})") from e
-                    missed.append(str(e))
+                    missed.append(str(e).removesuffix(tight_note(d, int(ffn))))   # said once, with the last read
                     describe(f"{name}, again at {2 * more * base} fresh points ({e})")
             span_part = dataclasses.replace(span_part, info={**span_part.info, "retried": missed})
             st = {**st, "span": span_part, "f_start": f_start}
