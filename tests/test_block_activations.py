@@ -14,7 +14,7 @@ import headthief as ht
 from headthief.errors import SpecError
 from headthief.extraction.block import block_refit, one_token_refit
 from headthief.extraction.block.block_refit import gauged, params_of
-from headthief.models.activations import SMOOTH, activation
+from headthief.models.activations import SMOOTH, activation, value_and_prime
 from headthief.models.bert_block import random_block
 
 SPEC = "bert-block:d=12,heads=2,ffn=24"
@@ -29,6 +29,8 @@ def test_each_activation_has_its_derivatives_and_transformers_function(name):
     assert np.max(np.abs((a.prime(s + h) - a.prime(s - h)) / (2 * h) - a.second(s))) <= 1e-8
     assert a.f(s.astype(np.float32)).dtype == np.float32              # a float32 model computes it in float32
     assert np.max(np.abs(a.prime(-s) - (1 - a.prime(s)))) <= 1e-12      # the profile fit's two-sign rule
+    value, prime = value_and_prime(name, s)                             # the refits' fused pair
+    assert np.max(np.abs(value - a.f(s))) <= 1e-14 and np.max(np.abs(prime - a.prime(s))) <= 1e-14
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers.activations import ACT2FN

@@ -476,19 +476,25 @@ def test_stage_f_with_the_wrong_width_is_refused():
 
 
 @pytest.mark.parametrize("route", ["full", "probes"])
-def test_stage_f_names_a_nearly_linear_ffn(route):
+def test_stage_f_names_a_nearly_linear_ffn(route, monkeypatch):
     """BertModel's own init (weights N(0, 0.02^2), biases 0): GELU acts almost linearly on LN1's sphere, the
     neurons beyond d show only through its cubic term, and stage F's failure says so (NotIdentifiable, exit
-    2) instead of "the span did not settle" or "found 1 of 16 neurons"."""
+    2) instead of "the span did not settle" or "found 1 of 16 neurons". Asked once Anderson stalls, before
+    the rank-(ffn + 1) span's polish, on both routes at this d (the probe route once asked after that whole
+    polish, 8 starts: 41 s)."""
     from headthief.errors import ConvergenceError
     from headthief.extraction.block import extract_ffn, extract_ffn_probes
+    from headthief.extraction.block import ffn as ffn_module
     from headthief.extraction.block.ffn import LINEAR
+    real_polish, ranks = ffn_module._polish, []
+    monkeypatch.setattr(ffn_module, "_polish", lambda *a, **k: ranks.append(a[4]) or real_polish(*a, **k))
     d, ffn = (8, 16) if route == "full" else (12, 24)         # the probe route: its points lie off the probes
     block = random_block(d, 2, ffn, seed=14000, init="bert")
     oracle, ln, vs = _stages_lv(block, 14000)
     with pytest.raises((NotIdentifiable, ConvergenceError)) as e:
         (extract_ffn if route == "full" else extract_ffn_probes)(oracle, ln, vs, np.random.default_rng(1), ffn=ffn)
     assert isinstance(e.value, NotIdentifiable) and "almost linearly" in str(e.value)
+    assert ffn + 1 not in ranks                    # only nearly_linear's own rank-d fit was polished
     outside = float(str(e.value).split("leaves ")[1].split(" of the")[0])
     assert 0 < outside < LINEAR
 

@@ -732,6 +732,9 @@ class NearlyLinearFFN(NotIdentifiable):
     property of the block, so fresh points do not help."""
 
 
+EARLY_LINEAR_D = 64    # span_and_neurons: the probe route asks nearly_linear once Anderson stalls up to this d
+                       # (its rank-(d - p + 1) fit: seconds there; at MiniLM's d = 384, up to 300 steps of a
+                       # 373-wide span), beyond it only after the polish fails
 LINEAR = 1e-3          # nearly_linear: a quadratic FFN's span leaves less than this of the Jacobians outside it
                        # (measured: BertModel's init 5.2e-8 - 5.1e-5 at d = 8 - 32, float64 and float32; a
                        # trained-scale block, d = 8, 0.057)
@@ -793,9 +796,10 @@ def span_and_neurons(J, ms, ns, ffn: int, rng: np.random.Generator, *, tol: floa
     try:
         # asked early on the full route (small d: the rank-d fit costs seconds). Coarse answers need it there:
         # their span keeps its best iterate, whose "neurons" then failed stage F's check as "not a GELU block"
-        # (float32 init=bert, d = 8, seed 14302: exit 5). The probe route (large d) asks only after a failure,
-        # so no run that succeeds pays for it at MiniLM's size
-        early = stalled if probes is None else None
+        # (float32 init=bert, d = 8, seed 14302: exit 5). The probe route asks early up to EARLY_LINEAR_D only
+        # (a nearly linear d = 12 FFN was refused after the whole polish, 8 starts: 41 s, against 9 s asked
+        # early), so no run that succeeds pays for it at MiniLM's size
+        early = stalled if probes is None or d <= EARLY_LINEAR_D else None
         Q, lifted, iters, change = span(J, ms, ns, ffn + 1, max_iter=max_iter, tol=tol, progress=progress,
                                         best_on_stall=best_on_stall, rng=rng, probes=probes, on_stall=early)
         pairs, starts = neurons(Q, ffn, d, rng, rank_tol, coarse, cols=None if probes is None else probes.shape[1],
