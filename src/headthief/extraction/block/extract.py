@@ -65,7 +65,9 @@ RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this 
 A_TRIES = 3           # ...at most this many stage A draws in all (their queries count in stage R's)
 POLISH_ABOVE = 1e-9   # exact answers: a block whose error on stage L's answers is above this (a tenth of the 1e-8
                       # the float64 route claims) is polished by the block refit on fresh sequences (_polish)
-POLISH_ITER = 3000    # ...at most this many L-BFGS iterations (measured: 950 to float64's floor at d = 16)
+POLISH_ITER = 200     # ...this many L-BFGS iterations at most (measured at d = 16 from the algebra's start, seeds 25322
+                      # and 25408: 100 leave every part within 2.1e-10, 200 within 2e-10 and the fidelity at
+                      # 1.7e-12 - 7.4e-12, 2.6 s; 950 reach float64's floor, 11 s, past what the route claims)
 
 
 def model_of(activation: str) -> str:
@@ -730,18 +732,23 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         return float(np.max(np.abs(np.asarray(b.forward(X_ln)).reshape(-1, d) - Y)) / np.sqrt(np.mean(Y ** 2)))
 
     insample = on_stage_l(block)
-    polish = {}
-    if not coarse and insample > POLISH_ABOVE:
+    polish = dict(st.get("polish", {}))       # a run resumed after its polish: its figures, and its block below
+    if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
         q0 = oracle.queries
         describe(f"R block refit (float64 polish: {insample:.2g} on stage L's answers, above {POLISH_ABOVE:g})")
         got, polish = _polish(oracle, rng, scale, block, plan, max_tflop, device, fit_progress("R block refit"))
         if got is not None and on_stage_l(got) < insample:
             block = got
-            ln, vs, part, att = parts_of(block, ln, vs, part, att)
         polish["block_polish_kept"] = got is not None and block is got
-        polish["block_polish_insample_before"], insample = insample, on_stage_l(block)
-        polish["block_polish_insample_after"] = insample
+        polish["block_polish_insample_before"] = insample
         mark("R", q0)
+        st = {**st, "block": block, "polish": polish}
+        ck.save("R", {**st, "stages": stages, "seconds": seconds})
+    if not coarse and polish.get("block_polish_kept"):
+        block = st["block"]
+        ln, vs, part, att = parts_of(block, ln, vs, part, att)
+        insample = on_stage_l(block)
+        polish["block_polish_insample_after"] = insample
     spent = ck.spent()
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
             "activation": block.activation, "activation_assumed": act, "ln_eps": float(block.eps),
@@ -778,10 +785,10 @@ def _polish(oracle: Oracle, rng: np.random.Generator, scale: float, block, plan:
     figures)``, the block refit (:func:`.block_refit.refit_block`, every part free, at most :data:`POLISH_ITER`
     iterations) on fresh sequences (:func:`_refit_sequences`) from the assembled block. The stages' algebra
     leaves the heads, a fitted part, at the second-order reads' precision (measured at d = 16: 1.5e-8 - 3.6e-8 on
-    1 to 3 of 10 unseen seeds, fidelity up to 1.8e-7), every other part at ~1e-10; from there the refit reaches
-    float64's floor (seed 25322, SiLU: every part within 2.8e-12, fidelity 7.1e-8 -> 1.5e-12, 938 queries,
-    950 iterations, 11 s). None (the algebra's block kept) where the plan with the refit would pass
-    ``max_tflop`` or the refit does not improve."""
+    1 to 3 of 10 unseen seeds, fidelity up to 1.8e-7), every other part at ~1e-10; from there 200 iterations bring
+    every part to ~1e-10 (seed 25322, SiLU: within 3.2e-11, fidelity 7.1e-8 -> 1.7e-12, 938 queries, 2.6 s).
+    None (the algebra's block kept) where the plan with the refit would pass ``max_tflop`` or the refit does not
+    improve."""
     from .arithmetic import planned as plan_of
     cost = plan_of(block.d, block.ffn, probes=False, coarse=True)["R block refit"] * POLISH_ITER / 4500
     if over_limit({**plan, "R polish": cost}, max_tflop):
