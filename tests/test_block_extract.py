@@ -505,7 +505,8 @@ def test_heads_short_of_the_float64_level_are_polished_and_the_polish_resumes(tm
     """Exact answers: stage A's heads are a fitted part, at the second-order reads' precision (measured at d = 16:
     1.5e-8 - 3.6e-8 on some unseen seeds, fidelity up to 1.8e-7, against ~1e-10 for every other part). A block
     above POLISH_ABOVE on stage L's answers is refitted to fresh sequences, and every part then lies within it
-    (measured: ~1e-10). Here stage A's score matrices are moved by 1e-7 (relative), so the polish must run. It
+    (measured: ~1e-10). Here stage A's score matrices are moved by 1e-7 (relative), its residual with them, so the
+    polish must run (heads off by more than their residual says are refused instead: the check's rule). It
     keeps a checkpoint (stage R): a run cut inside it resumes after stage A and pays nothing twice; a finished
     run's journal gives the polished block back without running the polish again."""
     import dataclasses
@@ -516,7 +517,8 @@ def test_heads_short_of_the_float64_level_are_polished_and_the_polish_resumes(tm
     def short(*args, **kw):
         att = real(*args, **kw)
         g = np.random.default_rng(3)
-        return dataclasses.replace(att, W=att.W * (1 + 1e-7 * g.standard_normal(att.W.shape)))
+        return dataclasses.replace(att, W=att.W * (1 + 1e-7 * g.standard_normal(att.W.shape)),
+                                   info={**att.info, "heads_residual": 1e-7})      # reads that precise, as measured
 
     monkeypatch.setattr(extract, "extract_heads", short)
     spec = f"{SPEC},seed=43"
@@ -541,3 +543,21 @@ def test_heads_short_of_the_float64_level_are_polished_and_the_polish_resumes(tm
     again = ht.extract(spec, "block", verify=16, journal=journal).row
     assert again["resumed_from"] == "R" and again["queries_fresh"] == 0 and again["block_polish_kept"] is True
     assert again["fidelity_max_rel_err"] == r["fidelity_max_rel_err"]
+
+
+def test_heads_off_by_more_than_their_residual_are_refused_not_polished(monkeypatch):
+    """The polish refits only a block the model check takes as of its class (stage L's error within 100x the
+    parts' own precision): heads moved by 1e-7 while stage A's residual says 3e-11 end in exit 5, unpolished."""
+    import dataclasses
+
+    from headthief.extraction.block import extract
+    real = extract.extract_heads
+
+    def off(*args, **kw):
+        att = real(*args, **kw)
+        return dataclasses.replace(att, W=att.W * (1 + 1e-7 * np.random.default_rng(3).standard_normal(att.W.shape)))
+
+    monkeypatch.setattr(extract, "extract_heads", off)
+    rep = ht.extract(f"{SPEC},seed=43", "block", verify=16, raise_errors=False)
+    assert rep.exit_code == 5 and rep.row["block_polish"].startswith("not run")
+    assert "queries_stage_R" not in rep.row

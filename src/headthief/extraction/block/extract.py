@@ -733,7 +733,10 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
 
     insample = on_stage_l(block)
     polish = dict(st.get("polish", {}))       # a run resumed after its polish: its figures, and its block below
-    if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
+    # only a block the model check would take as of this class (its error on stage L's answers within
+    # CHECK_FACTOR x the parts' own precision, _verdict's rule) is polished: a refit would absorb a wrong class
+    consistent = insample <= CHECK_FACTOR * parts_precision(one["fidelity"], att.info["heads_residual"], eps)
+    if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE and consistent:
         q0 = oracle.queries
         describe(f"R block refit (float64 polish: {insample:.2g} on stage L's answers, above {POLISH_ABOVE:g})")
         got, polish = _polish(oracle, rng, scale, block, plan, max_tflop, device, fit_progress("R block refit"))
@@ -744,6 +747,10 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         mark("R", q0)
         st = {**st, "block": block, "polish": polish}
         ck.save("R", {**st, "stages": stages, "seconds": seconds})
+    elif not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
+        polish = {"block_polish": f"not run: the error on stage L's answers, {insample:.3g}, is above "
+                                  f"{CHECK_FACTOR}x the parts' own precision (the model check's rule: a refit would "
+                                  "absorb a wrong class)"}
     if not coarse and polish.get("block_polish_kept"):
         block = st["block"]
         ln, vs, part, att = parts_of(block, ln, vs, part, att)
@@ -882,6 +889,12 @@ def _fit_noise(oracle: Oracle, seed, scale: float) -> tuple[float, float, int]:
     return sigma / max(float(np.sqrt(np.mean(Y ** 2))), 1e-300), sigma, len(seqs)
 
 
+def parts_precision(one_token: float, heads: float, eps: float) -> float:
+    """The assembled block's parts' own precision, as the model check reads it: the one-token fidelity, the
+    heads' figure, 30x the answers' precision (at least 1e-13)."""
+    return max(float(one_token), float(heads), 30.0 * eps, 1e-13)
+
+
 FIT_NOISE = 10         # coarse answers: the block refit's rms may be this much above the answers' measured noise
 
 
@@ -892,9 +905,10 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
     # residual, which a block of the wrong head count would inflate along with the threshold)
     coarse = "block_refit_insample" in res.diagnostics
     # polished (exact answers, _polish): the heads are then the refit's, as good as its error on stage L's answers
+    # (only a block already within that rule before it is polished: _extract_block)
     heads = 0.0 if coarse else float(res.diagnostics["block_polish_insample_after"] if res.diagnostics.get(
         "block_polish_kept") else res.diagnostics["heads_residual"])
-    parts = max(float(res.diagnostics["one_token_fidelity"]), heads, 30.0 * eps, 1e-13)
+    parts = parts_precision(float(res.diagnostics["one_token_fidelity"]), heads, eps)
     noise = fit = sigma = None
     nq = 0
     if coarse and n > 0:
