@@ -77,9 +77,14 @@ def _tanh_parts(s):
     return s, t, _C * (1.0 + 3.0 * _A * s2)
 
 
-def _gelu_tanh_prime(s):
+def _gelu_tanh_both(s):
+    """``(f(s), f'(s))`` of GELU's tanh form in float64, one tanh for both."""
     s, t, du = _tanh_parts(s)
-    return 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
+    return 0.5 * s * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
+
+
+def _gelu_tanh_prime(s):
+    return _gelu_tanh_both(s)[1]
 
 
 def _gelu_tanh_second(s):
@@ -88,21 +93,25 @@ def _gelu_tanh_second(s):
 
 
 def _sigmoid_gate(k: float):
-    """``f(s) = s sigma(k s)`` (k = 1: SiLU; 1.702: quick GELU) and its two derivatives."""
+    """``f(s) = s sigma(k s)`` (k = 1: SiLU; 1.702: quick GELU), its two derivatives, and ``(f, f')`` in
+    float64 with one sigmoid for both."""
     def f(s):
         s = np.asarray(s)
         return s * _expit(s * s.dtype.type(k))
 
-    def prime(s):
+    def both(s):
         s = np.asarray(s, dtype=np.float64)
         g = _expit(k * s)
-        return g + k * s * g * (1.0 - g)
+        return s * g, g + k * s * g * (1.0 - g)
+
+    def prime(s):
+        return both(s)[1]
 
     def second(s):
         s = np.asarray(s, dtype=np.float64)
         g = _expit(k * s)
         return k * g * (1.0 - g) * (2.0 + k * s * (1.0 - 2.0 * g))
-    return f, prime, second
+    return f, prime, second, both
 
 
 def _torch_gelu(s):
@@ -133,13 +142,11 @@ SMOOTH: dict[str, Activation] = {
     "gelu": Activation("gelu", "gelu", "s Phi(s) (erf)", gelu, gelu_prime, _gelu_second, _torch_gelu),
     "gelu_tanh": Activation("gelu_tanh", "gelu_new", "s (1 + tanh(sqrt(2/pi) (s + 0.044715 s^3))) / 2", gelu_tanh,
                             _gelu_tanh_prime, _gelu_tanh_second, _torch_gelu_tanh),
-    "silu": Activation("silu", "silu", "s sigma(s)", *_silu, lambda s: s * s.sigmoid()),
-    "quick_gelu": Activation("quick_gelu", "quick_gelu", "s sigma(1.702 s)", *_quick,
+    "silu": Activation("silu", "silu", "s sigma(s)", *_silu[:3], lambda s: s * s.sigmoid()),
+    "quick_gelu": Activation("quick_gelu", "quick_gelu", "s sigma(1.702 s)", *_quick[:3],
                              lambda s: s * (_Q * s).sigmoid()),
 }
-
-
-_GATES = {"silu": 1.0, "quick_gelu": _Q}
+_BOTH = {"gelu_tanh": _gelu_tanh_both, "silu": _silu[3], "quick_gelu": _quick[3]}   # value_and_prime's fused pairs
 
 
 def activation(name: str) -> Activation:
@@ -158,14 +165,8 @@ def value_and_prime(name: str, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if name == "gelu":
         Phi = 0.5 * (1.0 + _erf(s * (1.0 / np.sqrt(2.0))))
         return s * Phi, Phi + s * np.exp(-0.5 * s * s) * (1.0 / np.sqrt(2.0 * np.pi))
-    if name == "gelu_tanh":            # one tanh for both
-        s, t, du = _tanh_parts(s)
-        return 0.5 * s * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
-    if name in _GATES:                 # s sigma(k s): one sigmoid for both
-        k = _GATES[name]
-        s = np.asarray(s, dtype=np.float64)
-        g = _expit(k * s)
-        return s * g, g + k * s * g * (1.0 - g)
+    if name in _BOTH:
+        return _BOTH[name](s)
     a = activation(name)
     return a.f(s), a.prime(s)
 

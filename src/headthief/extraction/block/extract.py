@@ -55,7 +55,7 @@ from .resume import StageCheckpoints
 from .torch_losses import check_device
 from .one_token_refit import model_jacobian, refit_from_oracle, refit_one_token
 from .smoothness import check_smooth_activation
-from .arithmetic import MAX_TFLOP, describe, over_limit, planned
+from .arithmetic import MAX_TFLOP, REFIT_ITERATIONS, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
@@ -733,29 +733,29 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
 
     insample = on_stage_l(block)
     polish = dict(st.get("polish", {}))       # a run resumed after its polish: its figures, and its block below
-    # only a block the model check would take as of this class (its error on stage L's answers within
-    # CHECK_FACTOR x the parts' own precision, _verdict's rule) is polished: a refit would absorb a wrong class
-    consistent = insample <= CHECK_FACTOR * parts_precision(one["fidelity"], att.info["heads_residual"], eps)
-    if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE and consistent:
-        q0 = oracle.queries
-        describe(f"R block refit (float64 polish: {insample:.2g} on stage L's answers, above {POLISH_ABOVE:g})")
-        got, polish = _polish(oracle, rng, scale, block, plan, max_tflop, device, fit_progress("R block refit"))
-        if got is not None and on_stage_l(got) < insample:
-            block = got
-        polish["block_polish_kept"] = got is not None and block is got
-        polish["block_polish_insample_before"] = insample
-        mark("R", q0)
-        st = {**st, "block": block, "polish": polish}
-        ck.save("R", {**st, "stages": stages, "seconds": seconds})
-    elif not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
-        polish = {"block_polish": f"not run: the error on stage L's answers, {insample:.3g}, is above "
-                                  f"{CHECK_FACTOR}x the parts' own precision (the model check's rule: a refit would "
-                                  "absorb a wrong class)"}
-    if not coarse and polish.get("block_polish_kept"):
+    if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
+        # only a block the model check would take as of this class (its error on stage L's answers within
+        # CHECK_FACTOR x the parts' own precision, _verdict's rule) is polished: a refit would absorb a wrong class
+        if insample > CHECK_FACTOR * parts_precision(one["fidelity"], att.info["heads_residual"], eps):
+            polish = {"block_polish": f"not run: the error on stage L's answers, {insample:.3g}, is above "
+                                      f"{CHECK_FACTOR}x the parts' own precision (the model check's rule: a refit "
+                                      "would absorb a wrong class)"}
+        else:
+            q0 = oracle.queries
+            describe(f"R block refit (float64 polish: {insample:.2g} on stage L's answers, above {POLISH_ABOVE:g})")
+            got, polish = _polish(oracle, rng, scale, block, plan, max_tflop, device, fit_progress("R block refit"))
+            after = on_stage_l(got) if got is not None else np.inf
+            polish.update(block_polish_kept=after < insample, block_polish_insample_before=insample)
+            if after < insample:
+                block = got
+                polish["block_polish_insample_after"] = after
+            mark("R", q0)
+            st = {**st, "block": block, "polish": polish}
+            ck.save("R", {**st, "stages": stages, "seconds": seconds})
+    if not coarse and polish.get("block_polish_kept"):   # just polished, or resumed after the polish
         block = st["block"]
         ln, vs, part, att = parts_of(block, ln, vs, part, att)
-        insample = on_stage_l(block)
-        polish["block_polish_insample_after"] = insample
+        insample = polish["block_polish_insample_after"]
     spent = ck.spent()
     diag = {**_stage_figures(stages, seconds, ratio, ln, vs), "answer_precision": eps,
             "activation": block.activation, "activation_assumed": act, "ln_eps": float(block.eps),
@@ -792,12 +792,11 @@ def _polish(oracle: Oracle, rng: np.random.Generator, scale: float, block, plan:
     figures)``, the block refit (:func:`.block_refit.refit_block`, every part free, at most :data:`POLISH_ITER`
     iterations) on fresh sequences (:func:`_refit_sequences`) from the assembled block. The stages' algebra
     leaves the heads, a fitted part, at the second-order reads' precision (measured at d = 16: 1.5e-8 - 3.6e-8 on
-    1 to 3 of 10 unseen seeds, fidelity up to 1.8e-7), every other part at ~1e-10; from there 200 iterations bring
+    1 - 3 of every 20 unseen seeds, fidelity up to 1.8e-7), every other part at ~1e-10; from there 200 iterations bring
     every part to ~1e-10 (seed 25322, SiLU: within 3.2e-11, fidelity 7.1e-8 -> 1.7e-12, 938 queries, 2.6 s).
     None (the algebra's block kept) where the plan with the refit would pass ``max_tflop`` or the refit does not
     improve."""
-    from .arithmetic import planned as plan_of
-    cost = plan_of(block.d, block.ffn, probes=False, coarse=True)["R block refit"] * POLISH_ITER / 4500
+    cost = planned(block.d, block.ffn, probes=False, coarse=True)["R block refit"] * POLISH_ITER / REFIT_ITERATIONS
     if over_limit({**plan, "R polish": cost}, max_tflop):
         return None, {"block_polish": f"not run: with it the plan passes --max-tflop {max_tflop:g}"}
     q0 = oracle.queries
