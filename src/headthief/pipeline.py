@@ -37,6 +37,7 @@ import numpy as np
 from .errors import (BudgetExceeded, ComputeLimit, ConvergenceError, HeadthiefError, InvalidQuery, ModelMismatch,
                      NotIdentifiable, OracleError, SpecError)
 from .extraction.precision import finite_or_none
+from .heap import keep_freed_memory
 from .oracles.base import Oracle, oracle_stack
 from .targets import Target
 
@@ -556,6 +557,7 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
         journal = _open_journal(opts, warnings)
         opening = False
         m = METHODS[name]
+        heap = keep_freed_memory()
         with blas_limit(opts.blas_threads) as blas:
             oracle = _build(tgt, opts, journal)
             if wrap is not None:
@@ -568,6 +570,7 @@ def extract(target, method: str = "auto", *, progress: Callable[[int], None] | N
             fidelity = _verify(res, tgt, opts, oracle, journal, warnings)
         row = report_row(tgt, name, res, fidelity, opts.seed)
         row["blas_threads"] = opts.blas_threads if blas.applied else None
+        row["heap_thresholds_set"] = heap
         if method == "auto":
             row["method_requested"] = "auto"
         _transport(row, oracle, journal)

@@ -16,8 +16,10 @@ Counted (a multiply-add is two operations; the leading terms of the code's own l
   ``2 T D^2``, its eigenvectors ``4 D^3``, one subspace step ``4 T D r + 4 D r^2``). As first built every
   point carried a ``(p + d - 1)``-wide nuisance, and a thin SVD took the subspace: 10.3 TFLOP a step at
   MiniLM's size against 1.2 now (measured: 641 s against 28.6 s on one core, ``benchmarks/bench_span_step.py``).
-  Full route: per point the nuisance basis against the span (``8 d^3 r``) and a least squares of
-  ``d^2 x 2 d`` (``8 d^4``), and the SVD.
+  Full route: per point the normal equations of its nuisance against the span, formed from contractions with
+  its basis and refined once (:func:`.ffn._full`, ``28 d^2 r + 11 d^3``), and the SVD. As first built every
+  point's stored ``d^2 x 2 (d - 1)`` basis was projected (``8 d^3 r``) and solved by its own least squares
+  (``8 d^4``): 32 GFLOP a step at d = 32 against 6.8 now, most of it the SVD.
 * **F+, one-token refit** (coarse answers, :mod:`.one_token_refit`): ``REFIT_ITERATIONS`` L-BFGS iterations
   (the most measured: 4,500), each a forward and backward pass (3 forward's operations) over its random tokens,
   ``2 d^2 + 4 d ffn`` a forward. Measured at MiniLM's block 2 (float32, scaled coordinates): 6.5 s an
@@ -71,7 +73,7 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
         else:                                                       # small d: every point's nuisance wide
             step = T * (4.0 * d * p * r + 2.0 * w * w * r + 10.0 * w ** 3) + top
     else:
-        step = T * (8.0 * d ** 3 * r + 8.0 * d ** 4) + _svd(T, d * d)
+        step = T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
     out = {"F span": SPAN_STEPS * step}
     if coarse:
         one = 3.0 * (2 * d * d + 4 * d * ffn)
