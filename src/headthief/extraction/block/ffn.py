@@ -329,11 +329,11 @@ def _full(Y: np.ndarray, ns: np.ndarray, ms: np.ndarray, E: np.ndarray, rank: in
     is null to ~1e-9 only: the per-point solve took it as a direction and put nuisances of 30 - 100 along it
     (measured, d = 16, answers rounded to 6 decimals: the residuals the same to four digits), which then
     dominated the fixed-point residual that Anderson's mixing and the stopping rule read; the projector keeps
-    it out (those spans settle in fewer steps: 20 against 33 on that block). A point whose refinement step stays above ``REFINED`` of its solution (a
-    normal matrix too ill-conditioned for it) is solved again by LAPACK's complete orthogonal factorisation
-    (``gelsy``, with numpy's rank cut-off), as every point was before. Measured against that per-point solve:
-    the same nuisances to 3e-15 (random spans, d = 8 - 32), 3x - 10x faster, and no ``d^2 x 2 (d - 1)`` basis per
-    point in memory (330 MB at d = 32)."""
+    it out (those spans settle in fewer steps: 20 against 33 on that block). A point whose refinement step
+    stays above ``REFINED`` of its solution (a normal matrix too ill-conditioned for it) is solved again by
+    LAPACK's complete orthogonal factorisation (``gelsy``, with numpy's rank cut-off), as every point was before.
+    Measured against that per-point solve: the same nuisances to 3e-15 (random spans, d = 8 - 32), 3x - 10x
+    faster, and no ``d^2 x 2 (d - 1)`` basis per point in memory (330 MB at d = 32)."""
     T = Y.shape[0]
     d = ns.shape[1]
     k = d - 1
