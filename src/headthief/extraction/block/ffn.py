@@ -258,24 +258,27 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
                            "diagonal, as in SqueezeBERT's grouped convolutions)")
 
 
+def _full_apply(ns: np.ndarray, ms: np.ndarray, E: np.ndarray, nu: np.ndarray) -> np.ndarray:
+    """Full Jacobians' nuisances ``n_t (E a)^T + (E e) m_t^T`` for ``nu_t = (a, e)``, one row (d^2) a point."""
+    k = E.shape[1]
+    return (np.einsum("ti,tj->tij", ns, nu[:, :k] @ E.T)
+            + np.einsum("ti,tj->tij", nu[:, k:] @ E.T, ms)).reshape(len(ns), -1)
+
+
+def _full_adjoint(ns: np.ndarray, ms: np.ndarray, E: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """:func:`_full_apply`'s adjoint: rows R (d^2 a point) to ``(E^T R^T n_t, E^T R m_t)``."""
+    d = ns.shape[1]
+    Rr = R.reshape(len(ns), d, d)
+    return np.concatenate([np.einsum("tij,ti->tj", Rr, ns) @ E, np.einsum("tij,tj->ti", Rr, ms) @ E], axis=1)
+
+
 def _nuisance_maps(Y, ns, ms, E, probes):
     """``nu -> N(nu)`` (every point's nuisance matrix, rows as Y's) and its adjoint, as Kronecker products, for
     :func:`span`'s lift and :func:`_polish`. Full Jacobians (``probes`` None): ``n_t (E a)^T + (E e) m_t^T``,
     ``nu_t = (a, e)``; probe Jacobians: ``n_t a^T + (E e) r_t^T`` with ``r_t = V^T m_t``, a in R^p."""
     T = Y.shape[0]
     if probes is None:
-        d = ns.shape[1]
-        k = d - 1
-
-        def apply_full(nu):
-            return (np.einsum("ti,tj->tij", ns, nu[:, :k] @ E.T)
-                    + np.einsum("ti,tj->tij", nu[:, k:] @ E.T, ms)).reshape(T, -1)
-
-        def adjoint_full(R):
-            Rr = R.reshape(T, d, d)
-            return np.concatenate([np.einsum("tij,ti->tj", Rr, ns) @ E, np.einsum("tij,tj->ti", Rr, ms) @ E], axis=1)
-
-        return apply_full, adjoint_full
+        return (lambda nu: _full_apply(ns, ms, E, nu)), (lambda R: _full_adjoint(ns, ms, E, R))
     d, p = ns.shape[1], probes.shape[1]
     rs = ms @ probes
 
@@ -349,8 +352,7 @@ def _full(Y: np.ndarray, ns: np.ndarray, ms: np.ndarray, E: np.ndarray, rank: in
     cut = np.finfo(float).eps * max(d * d, w)                              # numpy lstsq's rank cut-off
 
     def basis(t):                                                          # point t's nuisance basis, d^2 x w
-        return np.concatenate([np.einsum("i,jk->kij", ns[t], E).reshape(k, -1),
-                               np.einsum("ik,j->kij", E, ms[t]).reshape(k, -1)]).T
+        return _full_apply(np.repeat(ns[t:t + 1], w, axis=0), np.repeat(ms[t:t + 1], w, axis=0), E, np.eye(w)).T
 
     def against(Q):
         Qm = Q.T.reshape(rank, d, d)
@@ -365,15 +367,12 @@ def _full(Y: np.ndarray, ns: np.ndarray, ms: np.ndarray, E: np.ndarray, rank: in
                                 (Qe @ m.T).reshape(rank, d, -1).transpose(2, 0, 1) @ E], axis=2)   # <Q_r, (E e) m^T>
             G = G0[sl] - C.transpose(0, 2, 1) @ C
 
-            def normal_rhs(R, sl=sl, C=C):                                 # A^T R, A = (I - Q Q^T) N_t
-                Rn = np.concatenate([np.einsum("tij,ti->tj", R.reshape(-1, d, d), ns[sl]) @ E,
-                                     np.einsum("tij,tj->ti", R.reshape(-1, d, d), ms[sl]) @ E], axis=1)
-                return Rn - np.einsum("trw,tr->tw", C, R @ Q)
+            def normal_rhs(R, n=n, m=m, C=C):                              # A^T R, A = (I - Q Q^T) N_t
+                return _full_adjoint(n, m, E, R) - np.einsum("trw,tr->tw", C, R @ Q)
 
             try:
                 x = -np.linalg.solve(G, normal_rhs(B[sl])[:, :, None])[:, :, 0]
-                Nx = (np.einsum("ti,tj->tij", n, x[:, :k] @ E.T)
-                      + np.einsum("ti,tj->tij", x[:, k:] @ E.T, m)).reshape(len(n), -1)
+                Nx = _full_apply(n, m, E, x)
                 R = -B[sl] - (Nx - (Nx @ Q) @ Q.T)                         # the residual b - A x
                 dx = np.linalg.solve(G, normal_rhs(R)[:, :, None])[:, :, 0]
                 x += dx
