@@ -22,8 +22,9 @@ def test_a_float32_block_far_above_the_methods_precision_is_not_called_done(caps
                  "encoder", "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 4 and "block 0: the best of 1 fits" in row["error"] and "not at the method's precision" in row["error"]
-    # the polish ran: some iterations (at most its cap), or none that improved on the fit
+    # the polish ran: at most its cap of iterations (0 where L-BFGS ended in its first line search, at a lower
+    # loss: measured after a change of rounding upstream), or none that improved on the fit
     polished = re.search(r"\((\d+) more iterations at 1% a chunk", row["error"])
     nothing = "the polish at 1% a chunk improved nothing" in row["error"]
-    assert (polished and 0 < int(polished.group(1)) <= 100) or nothing
+    assert (polished and 0 <= int(polished.group(1)) <= 100) or nothing
     assert row["queries_sent"] > 0

@@ -123,3 +123,35 @@ def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
     x1 = minimize_in_chunks(fun, x0, L0, 730)[0]
     total = minimize_in_chunks(fun, x1, fun(x1)[0], 1000, history=chunks)[2]
     assert total == 1000 and len(chunks) == 1001
+
+
+def test_a_fit_at_its_floor_ends_once_a_hundred_iterations_gain_nothing_and_above_it_runs_on():
+    """``floor``: a noisy least squares whose loss floor is its noise. Given a floor above the minimum, the fit
+    ends at the first FLAT_EVERY-th iteration at or below it where the last FLAT_EVERY gained less than FLAT, on
+    the chunks' own path (the same point as the chunks' rule stopped there), within FLAT of the full fit's loss
+    per window. A floor below the minimum (a fit in a slow valley above the noise) changes nothing."""
+    from headthief.extraction.block.lbfgs import FLAT, FLAT_EVERY
+    rng = np.random.default_rng(7)
+    J = rng.standard_normal((300, 100)) * np.logspace(0, -2, 100)
+    y = J @ rng.standard_normal(100) + 1e-3 * rng.standard_normal(300)
+
+    def fun(x):
+        r = J @ x - y
+        return 0.5 * float(r @ r), J.T @ r
+
+    x0 = np.zeros(100)
+    L0 = fun(x0)[0]
+    best = float(0.5 * np.sum((y - J @ np.linalg.lstsq(J, y, rcond=None)[0]) ** 2))    # the noise's own loss
+    hist: list[float] = []
+    whole = minimize_in_chunks(fun, x0, L0, 5000, history=hist)
+    flat: list[float] = []
+    at = minimize_in_chunks(fun, x0, L0, 5000, history=flat, floor=4 * best)
+    k = at[2]
+    assert k % FLAT_EVERY == 0 and k < whole[2] and "floor" in at[3]
+    assert flat[k] <= 4 * best and flat[k] >= (1 - FLAT) * flat[k - FLAT_EVERY]
+    assert all(not (flat[j] <= 4 * best and flat[j] >= (1 - FLAT) * flat[j - FLAT_EVERY])
+               for j in range(FLAT_EVERY, k, FLAT_EVERY))                     # no earlier window qualified
+    same = minimize_in_chunks(fun, x0, L0, k)                                 # the chunks' path, cut at k
+    assert np.array_equal(same[0], at[0]) and at[1] <= 1.01 * best
+    below = minimize_in_chunks(fun, x0, L0, 5000, floor=0.5 * best)           # never reached: no effect
+    assert below[2] == whole[2] and np.array_equal(below[0], whole[0])

@@ -161,7 +161,8 @@ def _with(block, p: dict):
 
 def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=NAMES, gain: float = GAIN,
                 rng: np.random.Generator | None = None, scaled: bool = True, checkpoint=None,
-                device: str | None = None, history: list[float] | None = None, ln_eps: str = "off"):
+                device: str | None = None, history: list[float] | None = None, ln_eps: str = "off",
+                floor: float | None = None):
     """``(block, info)``: the :class:`~headthief.models.bert_block.BertBlock` ``block`` refitted to the answered
     groups (module docstring); only the parameters named in ``free`` move. ``info``: rms residual before/after
     relative to the answers' rms, the largest in-sample error over that rms, the iterations. ``gain``: the
@@ -175,7 +176,10 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     (:mod:`.torch_losses`; None: numpy). ``ln_eps``: ``fit``: the LayerNorms' eps is fitted too (as log eps,
     from the block's own, within ``LEPS_RANGE``; info ``block_refit_ln_eps``); ``fixed``: the block's eps in the
     loss, not fitted; ``off``: the loss leaves it out (BERT's 1e-12 moves nothing here; RoBERTa's 1e-5 moves
-    the answers by ~5e-6, 100x float32's rounding)."""
+    the answers by ~5e-6, 100x float32's rounding). ``floor``: an rms (relative to the answers' rms) at or
+    below which the fit is at the answers' own noise; there it ends once 100 iterations gain less than 0.1% of
+    the loss (:func:`.lbfgs.minimize_in_chunks`; info ``block_refit_message`` says so). None: the chunks' test
+    alone."""
     if ln_eps not in LN_EPS_MODES:
         raise ValueError(f"ln_eps must be one of {LN_EPS_MODES}, got {ln_eps!r}")
     groups = [(np.asarray(X, np.float64), np.asarray(Y, np.float64)) for X, Y in groups]
@@ -215,7 +219,9 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
             checkpoint(calls[0], current(th), list(seen))
         return L, G
 
-    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale, history=seen)
+    at = None if floor is None else 0.5 * count * (float(floor) * rms) ** 2      # the floor as a loss
+    theta, L1, iters, message = minimize_in_chunks(fun, theta, L0, max_iter, gain, scale=scale, history=seen,
+                                                   floor=at)
     L0 = seen[0]                                       # the fit's own start (before a resume, if any)
     before = float(np.sqrt(2 * L0 / count) / rms)
     after = float(np.sqrt(2 * L1 / count) / rms)

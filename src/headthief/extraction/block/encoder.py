@@ -468,7 +468,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                                 check="fresh sequences (encoder)", figure=max(fid, insample), threshold=limit)
         ran = attempt                           # tries run; the best passing one is kept
         insample, block, part, first, fit, fid, ivs = min(passed, key=lambda t: t[0])
-        polished, polish = 0, "0 more iterations at 1% a chunk included"
+        polished, polish = 0, "no polish at 1% a chunk: POLISH is 0"
         if coarse and insample > GOOD_FACTOR * floor and POLISH:
             # a slow valley, not a wrong start (measured: float32 seed 694's block 1 stopped at in-sample 3.7e-5
             # by the 10%-a-chunk rule on 3 tries; at 1% a chunk the first try went on to 3.1e-6 in 20,000
@@ -479,8 +479,8 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
             except ConvergenceError:            # no step improved on it: the rule below decides
                 polish = "the polish at 1% a chunk improved nothing"
             else:
-                polished = int(fit2["block_refit_iterations"])
-                polish = f"{polished} more iterations at 1% a chunk included"
+                polished = int(fit2["block_refit_iterations"])     # 0 where its first line search found the
+                polish = f"{polished} more iterations at 1% a chunk included"    # lower loss and L-BFGS ended there
                 if fit2["block_refit_insample"] < insample:
                     fid2 = _fresh_fidelity(paths, k, block2, rng, length, verify)
                     if passes(fit2["block_refit_insample"], fid2):

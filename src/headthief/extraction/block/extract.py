@@ -63,6 +63,8 @@ SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's ten
 CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
 RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above F+'s in-sample rms...
 A_TRIES = 3           # ...at most this many stage A draws in all (their queries count in stage R's)
+AT_FLOOR = 2.0        # R within this factor of F+'s in-sample rms is at the answers' floor (block_refit's floor):
+                      # measured, R ends 1.04 - 1.08x above F+ on float32 blocks (d = 8, 16)
 POLISH_ABOVE = 1e-9   # exact answers: a block whose error on stage L's answers is above this (a tenth of the 1e-8
                       # the float64 route claims) is polished by the block refit on fresh sequences (_polish)
 POLISH_ITER = 200     # ...this many L-BFGS iterations at most (measured at d = 16 from the algebra's start, seeds 25322
@@ -681,11 +683,13 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                 ck.save("R-partial", {**st, "partial": partial, "partial_calls": calls + st.get("partial_calls", 0),
                                       "partial_history": history, "stages": stages, "seconds": seconds}, **after_a)
 
+        floor = float(refit.get("refit_rms_after", np.inf))        # F+'s in-sample rms: the same answers' floor
+        at_floor = AT_FLOOR * floor if np.isfinite(floor) else None
         describe("R block refit")
         block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"),
-                                    device=device, history=st.get("partial_history"), ln_eps=eps_mode)
+                                    device=device, history=st.get("partial_history"), ln_eps=eps_mode,
+                                    floor=at_floor)
         tries, q_retry = 1, oracle.queries
-        floor = float(refit.get("refit_rms_after", np.inf))        # F+'s in-sample rms: the same answers' floor
         while (brefit["block_refit_rms_after"] > RETRY_A * floor and tries < A_TRIES
                and not over_limit({k: (tries + 1) * v for k, v in plan.items()}, max_tflop)):
             # stage A's heads left the block refit far above the one-token refit's floor: a poor draw of its
@@ -698,7 +702,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                      f"{brefit['block_refit_rms_after']:.2e}, {RETRY_A}x above F+'s {floor:.2e})")
             att2 = draw_heads()
             block2, brefit2 = refit_block(assemble(ln, vs, part, att2, ln_eps), groups, rng=rng,
-                                          progress=fit_progress("R block refit"), device=device, ln_eps=eps_mode)
+                                          progress=fit_progress("R block refit"), device=device, ln_eps=eps_mode,
+                                          floor=at_floor)
             if brefit2["block_refit_rms_after"] < brefit["block_refit_rms_after"]:
                 block, brefit, att = block2, brefit2, att2
         if loose and abs(np.log(block.eps / ln_eps)) > np.log(LN_EPS_MOVED):
@@ -706,7 +711,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # the FFN's parts 5e-4 - 8.8e-4, R's rms 3.9x the noise); L-BFGS again from there, the better kept
             describe(f"R block refit again (the LayerNorms' eps moved from {ln_eps:.2g} to {block.eps:.2g})")
             block, brefit = _refit_again(block, brefit, block, groups, rng=rng, device=device,
-                                         progress=fit_progress("R block refit"))
+                                         progress=fit_progress("R block refit"), floor=at_floor)
             brefit["block_refit_eps_restarted"] = True
         if auto and loose and block.eps < ln_eps / LN_EPS_COLLAPSED:
             # stage L saw the answers off LN2's ellipsoid, yet R's eps fell far below its start: a basin where the
@@ -715,7 +720,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             high = min(LN_EPS_RAISE * ln_eps, LN_EPS_MAX)
             describe(f"R block refit from a higher eps ({high:.2g}: the fitted one fell to {block.eps:.2g})")
             block, brefit = _refit_again(block, brefit, dataclasses.replace(start, eps=high), groups, rng=rng,
-                                         device=device, progress=fit_progress("R block refit"))
+                                         device=device, progress=fit_progress("R block refit"), floor=at_floor)
             brefit["block_refit_eps_from_higher"] = high
         refit.update(brefit)
         if tries > 1:

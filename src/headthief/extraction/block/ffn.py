@@ -483,41 +483,76 @@ def top_subspace(L: np.ndarray, rank: int) -> np.ndarray:
     return np.linalg.qr(L.T @ (L @ Q))[0][:, ::-1]
 
 
+BATCH = 64               # rank_ones: starts iterated together at most
+
+
 def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, max_starts: int | None = None,
-              tol: float = 1e-6, found_progress=None):
+              tol: float = 1e-6, found_progress=None, batch: int = BATCH):
     """``count`` distinct rank-one elements ``u v^T`` of span(Q) (unit u, v), by projected power iteration;
     ``tol``: how far from rank one (second over first singular value) an element may be, the span's precision.
-    ``found_progress(found, count, starts)``, if given, is told of each element found."""
+    ``found_progress(found, count, starts)``, if given, is told of each element found.
+
+    Each random start is iterated on its own (at most 500 steps, to a step below ``1e-9 tol``), then polished
+    (:func:`polish_rank_one`) where it is near rank one but not settled, and taken if it is rank one to ``tol``
+    and a neuron not yet found. Up to ``batch`` starts are iterated together (one stacked SVD and two matrix
+    products a step, not a Python loop per start and step: at d = 8 - 32 the loop's overhead was most of the
+    search) and judged in the order they were drawn; the Generator is left where drawing exactly the starts
+    used leaves it, so the result and everything drawn after it are those of the one-start-at-a-time search
+    (to the rounding of a matrix product against a matrix-vector one)."""
     max_starts = max_starts or 40 * count + 200
+    K = Q.shape[1]
     found: list[tuple[np.ndarray, np.ndarray]] = []
     starts = 0
     while len(found) < count and starts < max_starts:
-        starts += 1
-        z = Q @ rng.standard_normal(Q.shape[1])
-        z /= np.linalg.norm(z)
-        for _ in range(500):
+        b = min(max(2 * (count - len(found)), 4), batch, max_starts - starts)
+        state = rng.bit_generator.state
+        Z = _power_settled(Q, rng.standard_normal((b, K)), d, tol)
+        used = 0
+        for z in Z:
+            used += 1
+            starts += 1
             U, S, Vt = np.linalg.svd(z.reshape(d, d))
-            zn = Q @ (Q.T @ (S[0] * np.outer(U[:, 0], Vt[0])).ravel())
-            zn /= np.linalg.norm(zn)
-            done = np.linalg.norm(zn - np.sign(zn @ z) * z) < 1e-9 * tol
-            z = zn
-            if done:
-                break
-        U, S, Vt = np.linalg.svd(z.reshape(d, d))
-        if 1e-12 < S[1] / S[0] < POLISH_BELOW:
-            z = polish_rank_one(Q, U[:, 0], Vt[0])
-            U, S, Vt = np.linalg.svd(z.reshape(d, d))
-        if S[1] > tol * S[0]:
-            continue
-        u, v = U[:, 0], Vt[0]
-        if all(abs(u @ a) * abs(v @ b) < 1 - 1e-6 for a, b in found):
-            found.append((u, v))
-            if found_progress is not None:
-                found_progress(len(found), count, starts)
+            if 1e-12 < S[1] / S[0] < POLISH_BELOW:
+                z = polish_rank_one(Q, U[:, 0], Vt[0])
+                U, S, Vt = np.linalg.svd(z.reshape(d, d))
+            if S[1] > tol * S[0]:
+                continue
+            u, v = U[:, 0], Vt[0]
+            if all(abs(u @ a) * abs(v @ b_) < 1 - 1e-6 for a, b_ in found):
+                found.append((u, v))
+                if found_progress is not None:
+                    found_progress(len(found), count, starts)
+                if len(found) == count:
+                    break
+        if used < b:                                   # the starts drawn but not needed: drawn back
+            rng.bit_generator.state = state
+            rng.standard_normal((used, K))
     if len(found) < count:
         raise NotIdentifiable(f"found {len(found)} of {count} neurons (rank-one elements of the Jacobian span) in "
                               f"{starts} random starts: the span is not that of {count} neurons and LN1's gamma")
     return found, starts
+
+
+def _power_settled(Q: np.ndarray, G: np.ndarray, d: int, tol: float, steps: int = 500) -> np.ndarray:
+    """The starts ``Q g`` (rows g of G, normalised) after projected power iteration: each replaced by the span's
+    projection of its nearest rank-one element until a step moves it less than ``1e-9 tol`` (up to sign), at
+    most ``steps`` steps. Rows (n, d^2)."""
+    Z = G @ Q.T
+    Z /= np.linalg.norm(Z, axis=1, keepdims=True)
+    live = np.arange(len(Z))
+    for _ in range(steps):
+        if not live.size:
+            break
+        z = Z[live]
+        U, S, Vt = np.linalg.svd(z.reshape(-1, d, d))
+        R = (S[:, 0, None] * U[:, :, 0])[:, :, None] * Vt[:, 0, None, :]
+        zn = (R.reshape(len(live), -1) @ Q) @ Q.T
+        zn /= np.linalg.norm(zn, axis=1, keepdims=True)
+        sign = np.sign(np.einsum("bk,bk->b", zn, z))
+        done = np.linalg.norm(zn - sign[:, None] * z, axis=1) < 1e-9 * tol
+        Z[live] = zn
+        live = live[~done]
+    return Z
 
 
 POLISH_BELOW = 1e-2      # a power iterate whose second over first singular value is below this is polished

@@ -22,6 +22,8 @@ CHECK = 100            # the one-token refit tests the last CHUNK iterations' ga
 CHECKPOINT_EVERY = 50     # evaluations between the refits' checkpoint calls (block_refit, one_token_refit)
 GAIN = 0.81            # a chunk must bring the loss below this fraction of its start (rms down by 10%)
 SLOW_GAIN = 0.98       # ... for a fit in a slow valley (rms down by 1% a chunk; see encoder.POLISH)
+FLAT_EVERY = 100       # a fit given a floor (minimize_in_chunks) ends where, at or below it, the last FLAT_EVERY
+FLAT = 1e-3            # iterations gained less than FLAT of the loss (docs/block.md, "R ends at the answers' floor")
 PROBES = 16            # random-sign probes of the Gauss-Newton diagonal (relative error ~ sqrt(2 / PROBES) each)
 FLOOR = 1e-8           # a coordinate's scale at least this times the largest (directions no answer sees)
 LEPS_RANGE = (float(np.log(1e-20)), float(np.log(1e-2)))   # a fitted LayerNorm log eps, clipped (block_refit)
@@ -30,15 +32,17 @@ LEPS_RANGE = (float(np.log(1e-20)), float(np.log(1e-2)))   # a fitted LayerNorm 
 def normalize(v: np.ndarray, eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """``(v - mean) / sqrt(var + eps)`` along the last axis, and that root (LayerNorm without gamma and beta;
     ``eps`` 0: BERT's 1e-12, which moves nothing the refits see). :func:`normalize_back` holds for any eps."""
-    vc = v - v.mean(axis=-1, keepdims=True)
-    r = np.sqrt((vc * vc).mean(axis=-1, keepdims=True) + eps)          # + 0.0 changes no bit
+    d = v.shape[-1]                   # sum / d: np.mean's own arithmetic (bit for bit), without its Python wrapper
+    vc = v - np.add.reduce(v, axis=-1, keepdims=True) / d
+    r = np.sqrt(np.add.reduce(vc * vc, axis=-1, keepdims=True) / d + eps)          # + 0.0 changes no bit
     return vc / r, r
 
 
 def normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
     """The gradient through :func:`normalize`: ``dL/dv`` from ``dL/dn``, n and r."""
-    dvc = (dn - n * (dn * n).mean(axis=-1, keepdims=True)) / r
-    return dvc - dvc.mean(axis=-1, keepdims=True)
+    d = n.shape[-1]
+    dvc = (dn - n * (np.add.reduce(dn * n, axis=-1, keepdims=True) / d)) / r
+    return dvc - np.add.reduce(dvc, axis=-1, keepdims=True) / d
 
 
 def pack(params: dict, shapes: dict) -> np.ndarray:
@@ -78,7 +82,8 @@ def signs(rng: np.random.Generator, shape) -> np.ndarray:
 
 def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: float = GAIN,
                        scale: np.ndarray | None = None, check: int = CHUNK,
-                       history: list[float] | None = None) -> tuple[np.ndarray, float, int, str]:
+                       history: list[float] | None = None,
+                       floor: float | None = None) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
     iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
@@ -93,7 +98,14 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     kept: ``theta0`` then continues it (its loss ``L0`` stands for the last entry), the iterations before the
     cut count toward ``max_iter`` and the stopping rule's window, and the first chunk ends where the cut one
     would have, so a resumed fit stops where an uninterrupted one would (its L-BFGS memory aside). The
-    iterations returned are the whole fit's."""
+    iterations returned are the whole fit's.
+
+    ``floor``: a loss the answers' own noise explains (the block refit: 4x the one-token refit's in-sample
+    loss on the same oracle's answers). Every ``FLAT_EVERY`` iterations, a fit at or below it whose last
+    ``FLAT_EVERY`` iterations gained less than ``FLAT`` of the loss ends there: at the noise floor the
+    iterations left move nothing the answers see (measured on float32 blocks, d = 8 and 16: the fresh-sequence
+    fidelity flat from the ~250th iteration on, while the chunks' test ran 500 - 950). Above the floor (a slow
+    valley) only the chunks' test applies."""
     from scipy.optimize import minimize
     seen = [] if history is None else history          # the loss after every iteration so far
     if scale is not None:
@@ -103,7 +115,7 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
             L, G = fun(z / s)
             return L, G / s
         z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain, check=check,
-                                                   history=seen)
+                                                   history=seen, floor=floor)
         return z / s, L1, iters, message
     if not 1 <= int(check) <= CHUNK:
         raise ValueError(f"check must be 1..{CHUNK} iterations, got {check}")
@@ -116,11 +128,17 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     if done >= max_iter:
         return theta, L1, iters, f"the iteration cap ({max_iter}) was reached before the resume"
 
+    flat = [False]
+
     def stalled(intermediate_result):
         seen.append(float(intermediate_result.fun))
         k = len(seen) - 1
         if check < CHUNK and k >= CHUNK and k % check == 0 and seen[k] >= gain * seen[k - CHUNK]:
             raise StopIteration                       # scipy ends the run there, with its current point
+        if (floor is not None and k >= FLAT_EVERY and k % FLAT_EVERY == 0 and seen[k] <= floor
+                and seen[k] >= (1.0 - FLAT) * seen[k - FLAT_EVERY]):
+            flat[0] = True
+            raise StopIteration
 
     first = done % CHUNK                              # a resumed fit first ends the chunk that was cut
     while iters < max_iter:
@@ -134,6 +152,10 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
         message = str(sol.message)
         if float(sol.fun) < L1:
             theta, L1 = sol.x, float(sol.fun)
+        if "StopIteration" in message and flat[0]:
+            message = (f"at the answers' floor, the last {FLAT_EVERY} iterations gained less than {FLAT:g} "
+                       "of the loss")
+            break
         if "StopIteration" in message:
             message = f"the last {CHUNK} iterations gained less than {1 - gain:.3g} of the loss (checked every {check})"
             break
