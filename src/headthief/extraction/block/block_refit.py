@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from ...errors import ConvergenceError
-from .lbfgs import (CHECKPOINT_EVERY, GAIN, LEPS_RANGE, diagonal_scale, minimize_in_chunks, normalize,
+from .lbfgs import (CHECKPOINT_EVERY, GAIN, LEPS_RANGE, colsum, diagonal_scale, minimize_in_chunks, normalize,
                     normalize_back, pack, signs, unpack)
 
 MAX_ITER = 20000
@@ -99,8 +99,8 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
     n2, r2 = normalize(zz + g @ p["W2"].T + p["b2"], eps)
     res = n2 * p["g2"] + p["be2"] - Y.reshape(N * T, d)
     L = 0.5 * float(np.sum(res * res))
-    grads["g2"] += np.sum(res * n2, axis=0)
-    grads["be2"] += res.sum(axis=0)
+    grads["g2"] += colsum(res * n2)
+    grads["be2"] += colsum(res)
     inside = "leps" in p and LEPS_RANGE[0] <= float(p["leps"]) <= LEPS_RANGE[1]
     if inside:                        # dL/d eps = -sum (dn . n) / (2 r^2) per LayerNorm, times eps for log eps
         grads["leps"] += -0.5 * eps * float(np.sum(np.sum(res * p["g2"] * n2, axis=-1) / r2[:, 0] ** 2))
@@ -110,15 +110,15 @@ def _group_loss(p: dict, X: np.ndarray, Y: np.ndarray, grads: dict, activation: 
         Phi += s                                                              # GELU'(s)
     ds = (du @ p["W2"]) * Phi
     grads["W2"] += du.T @ g
-    grads["b2"] += du.sum(axis=0)
+    grads["b2"] += colsum(du)
     grads["W1"] += ds.T @ zz
-    grads["b1"] += ds.sum(axis=0)
+    grads["b1"] += colsum(ds)
     dzz = du + ds @ p["W1"]
-    grads["g1"] += np.sum(dzz * n1, axis=0)
+    grads["g1"] += colsum(dzz * n1)
     if inside:
         grads["leps"] += -0.5 * eps * float(np.sum(np.sum(dzz * p["g1"] * n1, axis=-1) / r1[:, 0] ** 2))
     dpre = normalize_back(dzz * p["g1"], n1, r1)
-    grads["bo"] += dpre.sum(axis=0)
+    grads["bo"] += colsum(dpre)
     grads["Wo"] += dpre.T @ zc
     dz = (dpre @ p["Wo"]).reshape(N, T, H, dh).transpose(0, 2, 1, 3)         # (N, H, T, dh)
     if T == 1:

@@ -29,20 +29,32 @@ FLOOR = 1e-8           # a coordinate's scale at least this times the largest (d
 LEPS_RANGE = (float(np.log(1e-20)), float(np.log(1e-2)))   # a fitted LayerNorm log eps, clipped (block_refit)
 
 
+def _row_mean(v: np.ndarray) -> np.ndarray:
+    """The mean along the last axis, kept as a length-1 axis: one matrix-vector product with the ones (numpy's
+    reduction over short rows costs ~2 ns a number, 6x the product's, measured on (3000, 8): 57 against 9 us;
+    the two differ by rounding only)."""
+    d = v.shape[-1]
+    return (v @ np.full(d, 1.0 / d, dtype=v.dtype))[..., None]
+
+
+def colsum(a: np.ndarray) -> np.ndarray:
+    """The sum over the rows of a 2-D array (positions x features): one vector-matrix product with the ones,
+    for the same reason as :func:`_row_mean` (numpy's column reduction: 52 against ~9 us on (3000, 8))."""
+    return np.ones(a.shape[0], dtype=a.dtype) @ a
+
+
 def normalize(v: np.ndarray, eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """``(v - mean) / sqrt(var + eps)`` along the last axis, and that root (LayerNorm without gamma and beta;
     ``eps`` 0: BERT's 1e-12, which moves nothing the refits see). :func:`normalize_back` holds for any eps."""
-    d = v.shape[-1]                   # sum / d: np.mean's own arithmetic (bit for bit), without its Python wrapper
-    vc = v - np.add.reduce(v, axis=-1, keepdims=True) / d
-    r = np.sqrt(np.add.reduce(vc * vc, axis=-1, keepdims=True) / d + eps)          # + 0.0 changes no bit
+    vc = v - _row_mean(v)
+    r = np.sqrt(_row_mean(vc * vc) + eps)          # + 0.0 changes no bit
     return vc / r, r
 
 
 def normalize_back(dn: np.ndarray, n: np.ndarray, r: np.ndarray) -> np.ndarray:
     """The gradient through :func:`normalize`: ``dL/dv`` from ``dL/dn``, n and r."""
-    d = n.shape[-1]
-    dvc = (dn - n * (np.add.reduce(dn * n, axis=-1, keepdims=True) / d)) / r
-    return dvc - np.add.reduce(dvc, axis=-1, keepdims=True) / d
+    dvc = (dn - n * _row_mean(dn * n)) / r
+    return dvc - _row_mean(dvc)
 
 
 def pack(params: dict, shapes: dict) -> np.ndarray:
@@ -164,4 +176,4 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     return theta, L1, iters, message
 
 
-__all__ = ["CHECK", "diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]
+__all__ = ["CHECK", "colsum", "diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]

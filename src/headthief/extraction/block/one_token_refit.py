@@ -28,8 +28,8 @@ import numpy as np
 from ...errors import ConvergenceError
 from .ffn import FFNPart
 from .layernorm import OutputLayerNorm
-from .lbfgs import (CHECK, CHECKPOINT_EVERY, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack, signs,
-                    unpack)
+from .lbfgs import (CHECK, CHECKPOINT_EVERY, colsum, diagonal_scale, minimize_in_chunks, normalize, normalize_back, pack,
+                    signs, unpack)
 from .value_sum import ValueSum, centre, with_map
 
 MAX_ITER = 20000       # L-BFGS iterations at most (each one evaluation of the loss and its gradient)
@@ -58,9 +58,8 @@ def loss_and_grad(theta: np.ndarray, X: np.ndarray, Y: np.ndarray, d: int, f: in
     ds = (du @ p["W2"]) * fp
     dm = du * p["gam"] + ds @ p["W1"]
     dpre = normalize_back(dm, m, r1)
-    grads = {"B": dpre.T @ X, "b": dpre.sum(axis=0), "gam": (du * m).sum(axis=0), "c": du.sum(axis=0),
-             "W1": ds.T @ m, "b1": ds.sum(axis=0), "W2": du.T @ g, "g2": (res * n).sum(axis=0),
-             "be2": res.sum(axis=0)}
+    grads = {"B": dpre.T @ X, "b": colsum(dpre), "gam": colsum(du * m), "c": colsum(du),
+             "W1": ds.T @ m, "b1": colsum(ds), "W2": du.T @ g, "g2": colsum(res * n), "be2": colsum(res)}
     return L, pack(grads, shapes(d, f))
 
 
