@@ -89,12 +89,11 @@ def test_a_sliding_check_stops_on_the_same_path_no_later():
         minimize_in_chunks(fun, x0, L0, 10, check=0)
 
 
-def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
-    """A fit cut short and resumed with the losses it kept (``history``) stops where the uninterrupted fit's rule
-    would, not a whole window later, and its iteration cap counts the iterations before the cut."""
-    from headthief.extraction.block.lbfgs import CHUNK
-    rng = np.random.default_rng(6)
-    J = rng.standard_normal((300, 100)) * np.logspace(0, -3, 100)
+def _noisy_least_squares(seed: int, decades: float):
+    """A 300 x 100 least squares whose columns' scales fall over ``decades`` decades, answers with noise 1e-3:
+    ``(J, y, fun, x0, L0)``, fun returning the loss and its gradient."""
+    rng = np.random.default_rng(seed)
+    J = rng.standard_normal((300, 100)) * np.logspace(0, -decades, 100)
     y = J @ rng.standard_normal(100) + 1e-3 * rng.standard_normal(300)
 
     def fun(x):
@@ -102,7 +101,14 @@ def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
         return 0.5 * float(r @ r), J.T @ r
 
     x0 = np.zeros(100)
-    L0 = fun(x0)[0]
+    return J, y, fun, x0, fun(x0)[0]
+
+
+def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
+    """A fit cut short and resumed with the losses it kept (``history``) stops where the uninterrupted fit's rule
+    would, not a whole window later, and its iteration cap counts the iterations before the cut."""
+    from headthief.extraction.block.lbfgs import CHUNK
+    _, _, fun, x0, L0 = _noisy_least_squares(6, 3)
     history: list[float] = []
     whole = minimize_in_chunks(fun, x0, L0, 5000, check=100, history=history)
     stop = whole[2]
@@ -128,19 +134,10 @@ def test_a_resumed_fit_keeps_its_iteration_count_and_stopping_window():
 def test_a_fit_at_its_floor_ends_once_a_hundred_iterations_gain_nothing_and_above_it_runs_on():
     """``floor``: a noisy least squares whose loss floor is its noise. Given a floor above the minimum, the fit
     ends at the first FLAT_EVERY-th iteration at or below it where the last FLAT_EVERY gained less than FLAT, on
-    the chunks' own path (the same point as the chunks' rule stopped there), within FLAT of the full fit's loss
-    per window. A floor below the minimum (a fit in a slow valley above the noise) changes nothing."""
+    the chunks' own path (the point the chunks' rule reaches when capped there), within 1% of the least-squares
+    minimum. A floor below the minimum (a fit in a slow valley above the noise) changes nothing."""
     from headthief.extraction.block.lbfgs import FLAT, FLAT_EVERY
-    rng = np.random.default_rng(7)
-    J = rng.standard_normal((300, 100)) * np.logspace(0, -2, 100)
-    y = J @ rng.standard_normal(100) + 1e-3 * rng.standard_normal(300)
-
-    def fun(x):
-        r = J @ x - y
-        return 0.5 * float(r @ r), J.T @ r
-
-    x0 = np.zeros(100)
-    L0 = fun(x0)[0]
+    J, y, fun, x0, L0 = _noisy_least_squares(7, 2)
     best = float(0.5 * np.sum((y - J @ np.linalg.lstsq(J, y, rcond=None)[0]) ** 2))    # the noise's own loss
     hist: list[float] = []
     whole = minimize_in_chunks(fun, x0, L0, 5000, history=hist)
