@@ -177,7 +177,7 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
     from the block's own, within ``LEPS_RANGE``; info ``block_refit_ln_eps``); ``fixed``: the block's eps in the
     loss, not fitted; ``off``: the loss leaves it out (BERT's 1e-12 moves nothing here; RoBERTa's 1e-5 moves
     the answers by ~5e-6, 100x float32's rounding). ``floor``: an rms (relative to the answers' rms) at or
-    below which the fit is at the answers' own noise; there it ends once 100 iterations gain less than 0.1% of
+    below which the fit is at the answers' own noise; there it ends once 100 iterations gain less than 0.01% of
     the loss (:func:`.lbfgs.minimize_in_chunks`; info ``block_refit_message`` says so). None: the chunks' test
     alone."""
     if ln_eps not in LN_EPS_MODES:
