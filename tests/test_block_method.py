@@ -307,6 +307,44 @@ def test_half_precision_answers_are_refused_as_such(kind):
     assert half_precision(Y) is None and half_precision(_Half(block, kind).evaluate(list(np.ones((1, 4, 16))))) == kind
 
 
+def _one_start_at_a_time(Q, count, d, rng, tol=1e-6):
+    """The neuron search as first written: each start drawn and iterated alone (no polish: the spans below are
+    well conditioned), the starts it used."""
+    found, starts = [], 0
+    while len(found) < count:
+        starts += 1
+        z = Q @ rng.standard_normal(Q.shape[1])
+        z /= np.linalg.norm(z)
+        for _ in range(500):
+            U, S, Vt = np.linalg.svd(z.reshape(d, d))
+            zn = Q @ (Q.T @ (S[0] * np.outer(U[:, 0], Vt[0])).ravel())
+            zn /= np.linalg.norm(zn)
+            moved = np.linalg.norm(zn - np.sign(zn @ z) * z)
+            z = zn
+            if moved < 1e-9 * tol:
+                break
+        U, S, Vt = np.linalg.svd(z.reshape(d, d))
+        if S[1] <= tol * S[0] and all(abs(U[:, 0] @ a) * abs(Vt[0] @ b) < 1 - 1e-6 for a, b in found):
+            found.append((U[:, 0], Vt[0]))
+    return found, starts
+
+
+@pytest.mark.parametrize("d, m", [(8, 8), (8, 16), (16, 32)])
+def test_the_stacked_neuron_search_uses_the_starts_of_the_one_at_a_time_search(d, m):
+    """rank_ones iterates its starts stacked and draws back those it did not need: the same neurons from the
+    same starts, and the Generator left where the one-at-a-time search leaves it."""
+    from headthief.extraction.block.ffn import rank_ones
+    g = np.random.default_rng(d * m)
+    els = [np.outer(g.standard_normal(d), g.standard_normal(d)).ravel() for _ in range(m)]
+    Q = np.linalg.qr(np.stack(els + [np.diag(1 + 0.3 * g.standard_normal(d)).ravel()], axis=1))[0]
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    found, starts = rank_ones(Q, m, d, a)
+    ref, ref_starts = _one_start_at_a_time(Q, m, d, b)
+    assert starts == ref_starts and a.standard_normal() == b.standard_normal()
+    for (u, v), (p, q) in zip(found, ref):
+        assert min(np.linalg.norm(np.outer(u, v) - s * np.outer(p, q)) for s in (1, -1)) <= 1e-12
+
+
 @pytest.mark.parametrize("seed", [0, 4])
 def test_rank_one_search_finds_coherent_neurons_of_a_grouped_ffn(seed):
     """A span as SqueezeBERT's grouped FFN gives it: 32 rank-one elements, 8 in each 4 x 4 diagonal block of a

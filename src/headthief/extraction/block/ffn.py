@@ -533,26 +533,30 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
     return found, starts
 
 
+def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """One step of projected power iteration for rows C, coordinates in span(Q) of d x ``cols`` elements: each
+    replaced by the (normalised) coordinates of the span's projection of its nearest rank-one element, and
+    whether it moved less than ``1e-9 tol`` (up to sign). Shared by :func:`rank_ones` and
+    :func:`rank_ones_batched`."""
+    U, S, Vt = np.linalg.svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
+    R = S[:, :1, None] * np.einsum("bi,bj->bij", U[:, :, 0], Vt[:, 0, :])
+    Cn = R.reshape(len(C), -1) @ Q
+    Cn /= np.linalg.norm(Cn, axis=1, keepdims=True)
+    sign = np.sign(np.einsum("bk,bk->b", Cn, C))
+    return Cn, np.linalg.norm(Cn - sign[:, None] * C, axis=1) < 1e-9 * tol
+
+
 def _power_settled(Q: np.ndarray, G: np.ndarray, d: int, tol: float, steps: int = 500) -> np.ndarray:
-    """The starts ``Q g`` (rows g of G, normalised) after projected power iteration: each replaced by the span's
-    projection of its nearest rank-one element until a step moves it less than ``1e-9 tol`` (up to sign), at
-    most ``steps`` steps. Rows (n, d^2)."""
-    Z = G @ Q.T
-    Z /= np.linalg.norm(Z, axis=1, keepdims=True)
-    live = np.arange(len(Z))
+    """The starts ``Q g`` (rows g of G, normalised) after steps of :func:`_power_step`, each until it settles,
+    at most ``steps`` steps. Rows (n, d^2)."""
+    C = G / np.linalg.norm(G, axis=1, keepdims=True)
+    live = np.arange(len(C))
     for _ in range(steps):
         if not live.size:
             break
-        z = Z[live]
-        U, S, Vt = np.linalg.svd(z.reshape(-1, d, d))
-        R = (S[:, 0, None] * U[:, :, 0])[:, :, None] * Vt[:, 0, None, :]
-        zn = (R.reshape(len(live), -1) @ Q) @ Q.T
-        zn /= np.linalg.norm(zn, axis=1, keepdims=True)
-        sign = np.sign(np.einsum("bk,bk->b", zn, z))
-        done = np.linalg.norm(zn - sign[:, None] * z, axis=1) < 1e-9 * tol
-        Z[live] = zn
-        live = live[~done]
-    return Z
+        C[live], settled = _power_step(C[live], Q, d, d, tol)
+        live = live[~settled]
+    return C @ Q.T
 
 
 POLISH_BELOW = 1e-2      # a power iterate whose second over first singular value is below this is polished
@@ -624,13 +628,8 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     age = np.zeros(len(C), dtype=int)
     starts = len(C)
     while len(C) and len(found) < count:
-        U, S, Vt = np.linalg.svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
-        R = S[:, :1, None] * np.einsum("bi,bj->bij", U[:, :, 0], Vt[:, 0, :])
-        Cn = R.reshape(len(C), -1) @ Q
-        Cn /= np.linalg.norm(Cn, axis=1, keepdims=True)
-        sign = np.sign(np.einsum("bk,bk->b", Cn, C))
-        settled = np.linalg.norm(Cn - sign[:, None] * C, axis=1) < 1e-9 * tol
-        C, age = Cn, age + 1
+        C, settled = _power_step(C, Q, d, cols, tol)
+        age = age + 1
         done = settled | (age >= iterations)
         for i in np.flatnonzero(done):
             u_, s_, vt_ = np.linalg.svd((Q @ C[i]).reshape(d, cols), full_matrices=False)

@@ -176,4 +176,5 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     return theta, L1, iters, message
 
 
-__all__ = ["CHECK", "colsum", "diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs", "unpack"]
+__all__ = ["CHECK", "colsum", "diagonal_scale", "minimize_in_chunks", "normalize", "normalize_back", "pack", "signs",
+           "unpack"]
