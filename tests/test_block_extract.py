@@ -369,11 +369,15 @@ def test_planned_arithmetic_stops_minilm_sized_runs_and_not_the_sizes_run_here()
 
 
 def test_a_run_above_max_tflop_stops_after_stage_v_with_its_parts(tmp_path):
+    from headthief.extraction.block.arithmetic import over_limit
     journal = str(tmp_path / "parts.sqlite")
     rep = ht.extract(f"{SPEC},seed=42", "block", max_tflop=1e-6, journal=journal, raise_errors=False)
     assert rep.exit_code == 2 and "stopped after stage V" in rep.error and "--max-tflop" in rep.error
     row, parts = rep.row, rep.result
     assert type(rep.exception).__name__ == "ComputeLimit" and parts.method == "block (parts)"
+    told = float(re.search(r"the same command with --max-tflop ([0-9.e+-]+)", rep.error).group(1))
+    assert not over_limit(parts.plan, told) and over_limit(parts.plan, 0.9 * told)   # enough, and not far above
+    assert "--refit-device" not in rep.error              # float64 answers: no refits planned
     assert row["queries"] == row["queries_sent"] == parts.queries == sum(
         row[f"queries_stage_{k}"] for k in ("L", "activation", "V"))
     assert row["B_rel_err"] <= 1e-9 and row["ln2_gamma_rel_err"] <= 1e-9 and row["planned_tflop"] > 1e-6
@@ -411,6 +415,9 @@ def test_minilm_block_stops_after_stage_v_with_b_read(layer):
     assert np.max(np.abs(vs.b - b)) <= 50 * vs.expected * scale
     assert vs.conditioning > 30 * vs.expected and vs.expected < 1e-4
     assert rep.row["planned_tflop"] > 1000 and rep.row["queries"] == rep.row["queries_sent"] < 25_000
+    # the message says how to go on: a --max-tflop that runs the plan, and the GPU for the refits (most of it)
+    told = float(re.search(r"the same command with --max-tflop ([0-9.e+-]+)", rep.error).group(1))
+    assert told >= rep.row["planned_tflop"] and "--refit-device cuda" in rep.error and "--journal" in rep.error
 
 
 def test_budget_then_resume_from_the_journal(tmp_path):

@@ -32,6 +32,7 @@ W_2`` times s); ``beta_1`` vs ``b_1, b_2`` (only ``W_1 beta_1 + b_1`` and ``beta
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -548,7 +549,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
     if over_limit(plan, max_tflop):
         raise _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0,
                                {**_stage_figures(stages, seconds, ratio, ln, vs), "activation": act}, kind,
-                               ck.spent())
+                               ck.spent(), device)
     # stage F's steps and its one-token threshold (100 x eps^0.8 sqrt(d)) were validated at a floor of 1e-15
     # (20/20 seeds, docs/block.md); at float64's own 1.1e-16 the threshold sits at the figures it passes
     # (fidelity 7.3e-11 against 6.9e-11 on seed 1008, a correct block)
@@ -852,9 +853,31 @@ def _stage_figures(stages: dict, seconds: dict, ratio: float, ln: OutputLayerNor
             "value_sum_conditioning": vs.conditioning}
 
 
-def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures, kind, spent: int) -> Exception:
+REFITS = ("F+ one-token refit", "R block refit")    # the stages --refit-device moves to a torch device
+
+
+def _how_to_go_on(plan: dict[str, float], device: str | None) -> str:
+    """The end of the stop-after-V message: the --max-tflop that runs the plan, the journal that makes a long run
+    resumable, and which part of it --refit-device and --blas-threads move."""
+    total = sum(plan.values()) / 1e12
+    refits = sum(v for k, v in plan.items() if k in REFITS) / 1e12
+    step = 10.0 ** (math.floor(math.log10(total)) - 1)      # the total rounded up to two digits
+    need = math.ceil(total / step) * step
+    text = (f"To run them: the same command with --max-tflop {need:.4g}, and with --journal J.sqlite if it has none: "
+            "the journal keeps every answer and a checkpoint after each stage" +
+            (" and through the refits" if refits > 0 else "") + ", and the same command goes on from there")
+    if refits > 0 and device in (None, "cpu"):
+        text += (f". The two refits are {refits:.3g} of the {total:.3g} TFLOP: --refit-device cuda runs them on a "
+                 "GPU (minutes at MiniLM's size; docs/block.md, \"The refits on a GPU\")")
+    return text + (". The other stages run in numpy on this machine's CPU, one BLAS thread unless --blas-threads N "
+                   "(docs/block.md, \"Not reached\": a block of MiniLM's size, d = 384 and FFN 1536, is about 20 hours of a "
+                   "2-core CPU without a GPU)")
+
+
+def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures, kind, spent: int,
+                     device: str | None = None) -> Exception:
     """The :class:`ComputeLimit` that ends a run after stage V, with the parts read (:class:`BlockParts`);
-    ``figures``: :func:`_stage_figures`."""
+    ``figures``: :func:`_stage_figures`; the message ends with how to run the rest (:func:`_how_to_go_on`)."""
     from ...errors import ComputeLimit
     from .value_sum import CONSISTENCY
     total = sum(plan.values()) / 1e12
@@ -876,8 +899,7 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures
         f"{max_tflop:g}. Recovered: LN2's gamma and beta, B = I + sum_h O_h V_h and b (modulo the ones-vector; "
         f"the stencil's measured error {vs.expected:.2g}, conditioning {vs.conditioning:.3g}), {parts.queries} queries. "
         "Not run: stage F (LN1, the FFN), stage A (the heads)" + (", the refits" if "R block refit" in plan else "") +
-        ". Raise --max-tflop to run them on this machine (docs/block.md, \"Not reached\": at d = 384 that is days on "
-        "a 2-core CPU)")
+        ". " + _how_to_go_on(plan, device))
     exc.result = parts
     return exc
 
