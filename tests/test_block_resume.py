@@ -240,7 +240,7 @@ def test_journal_show_says_where_a_run_stands(tmp_path, capsys):
     assert main(["journal", "show", str(journal), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fingerprint"]["target"] == spec and info["fingerprint"]["method"] == "block"
-    assert info["answered"] > 0 and info["format"] == "headthief-journal-1"
+    assert info["answered"] > 0 and info["format"] == "headthief-journal-2"
     (c,) = info["checkpoints"]
     assert c["name"] == "block" and c["stage"] == "V" and c["usable"] and 0 < c["spent"] <= 2000
     with sqlite3.connect(journal) as db:                           # as written by another version

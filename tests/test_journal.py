@@ -129,3 +129,57 @@ def test_sigterm_and_sighup_end_the_run_and_the_journal_resumes(tmp_path, sig, c
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     row = json.loads(r.stdout)
     assert r.returncode == 0 and row["journal_replayed"] > 0 and row["W_rel_err"] < 1e-10
+
+
+def test_float32_answers_are_kept_as_float32_and_read_back_bit_for_bit(tmp_path):
+    """A float32 model's answers (every number a float32 number) take half the bytes; any other batch, even one
+    number off float32's grid, keeps float64; -0.0, infinities and NaNs come back as they went in."""
+    path = tmp_path / "j.db"
+    j = Journal(path, {"t": 1})
+    g = np.random.default_rng(5)
+    y32 = g.standard_normal((3, 8)).astype(np.float32).astype(np.float64)
+    y32[0, :4] = [-0.0, np.inf, -np.inf, np.nan]
+    y64 = y32.copy()
+    y64[2, 7] += 2.0 ** -40                        # off float32's grid: the whole batch stays float64
+    j.record(b"a" * 16, y32)
+    j.record(b"b" * 16, y64)
+    with sqlite3.connect(path) as db:
+        rows = dict(db.execute("SELECT key, dtype || ':' || length(answers) FROM answers").fetchall())
+    assert rows == {b"a" * 16: f"f4:{4 * y32.size}", b"b" * 16: f"f8:{8 * y64.size}"}
+    j.close()
+    again = Journal(path, {"t": 1})                # every record checked on opening, then read from the file
+    for key, y in ((b"a" * 16, y32), (b"b" * 16, y64)):
+        got = again.lookup(key, 3)
+        assert got.dtype == np.float64 and got.tobytes() == np.ascontiguousarray(y).tobytes()
+    assert again.summary()["format"] == "headthief-journal-2"
+    again.close()
+    with sqlite3.connect(path) as db:              # a record whose dtype was changed fails its checksum
+        db.execute("UPDATE answers SET dtype = 'f8' WHERE dtype = 'f4'")
+    with pytest.raises(JournalError, match="fails its checksum"):
+        Journal(path, {"t": 1})
+
+
+def test_a_journal_of_the_first_format_is_resumed_as_it_is(tmp_path):
+    """A file written before records had a dtype (format headthief-journal-1, float64 only) is read, checked and
+    resumed; what it records stays float64, so the code that wrote it can still read it."""
+    from headthief.oracles.journal import _checksum
+    path = tmp_path / "old.db"
+    y = np.arange(6.0).reshape(2, 3)              # float32 numbers: a new journal would narrow them
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("CREATE TABLE answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, n INTEGER NOT NULL, "
+                   "answers BLOB NOT NULL, checksum BLOB NOT NULL)")
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [("format", "headthief-journal-1"),
+                                                          ("fingerprint", json.dumps({"t": 1})), ("created", "x")])
+        blob = y.astype("<f8").tobytes()
+        db.execute("INSERT INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
+                   (b"o" * 16, 2, blob, _checksum(b"o" * 16, 2, blob)))
+    j = Journal(path, {"t": 1})
+    assert np.array_equal(j.lookup(b"o" * 16, 2), y) and j.summary()["format"] == "headthief-journal-1"
+    j.record(b"p" * 16, y + 1)
+    j.close()
+    with sqlite3.connect(path) as db:
+        cols = [r[1] for r in db.execute("PRAGMA table_info(answers)")]
+        sizes = [r[0] for r in db.execute("SELECT length(answers) FROM answers")]
+    assert "dtype" not in cols and sizes == [8 * y.size, 8 * y.size]
+    assert np.array_equal(Journal(path, {"t": 1}).lookup(b"p" * 16, 2), y + 1)

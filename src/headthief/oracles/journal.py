@@ -8,12 +8,17 @@ black box.
 
 Format (a SQLite database; read it with any SQLite client):
 
-- ``meta(key TEXT PRIMARY KEY, value TEXT)``: ``format`` (``headthief-journal-1``), ``fingerprint`` (a
+- ``meta(key TEXT PRIMARY KEY, value TEXT)``: ``format`` (``headthief-journal-2``; files of the first format,
+  ``headthief-journal-1``, are read and resumed as they are), ``fingerprint`` (a
   JSON object: target, method, seed and every setting that changes which queries are asked), ``created``.
-- ``answers(id INTEGER PRIMARY KEY, key BLOB UNIQUE, n INTEGER, answers BLOB, checksum BLOB)``: ``key`` is
-  the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes (:func:`headthief.oracles.base.batch_key`),
-  ``answers`` the float64 answers (little-endian): n numbers, or for vector answers n rows of d_out numbers
-  (one row per answered vector, :mod:`headthief.oracles.answers`), ``checksum`` an 8-byte BLAKE2b of (key, n, answers).
+- ``answers(id INTEGER PRIMARY KEY, key BLOB UNIQUE, n INTEGER, answers BLOB, checksum BLOB, dtype TEXT)``:
+  ``key`` is the 16-byte BLAKE2b hash of the batch's shapes and float64 bytes
+  (:func:`headthief.oracles.base.batch_key`), ``answers`` the answers (little-endian): n numbers, or for vector
+  answers n rows of d_out numbers (one row per answered vector, :mod:`headthief.oracles.answers`), as float64
+  (``dtype`` ``f8``) or, where every number of the batch is a float32 number (a float32 model's answers: a
+  MiniLM block's journal is tens of GB), as float32 (``f4``), which reads back to the same float64 numbers bit
+  for bit; ``checksum`` an 8-byte BLAKE2b of (key, n, answers, and the dtype of an ``f4`` record). The first
+  format has no ``dtype`` column: every record ``f8``.
 - ``checkpoints(name TEXT PRIMARY KEY, code TEXT, meta TEXT, blob BLOB, checksum BLOB)``: what a long method
   computed after each stage (:mod:`headthief.oracles.checkpoints`), so a resumed run skips the computation too;
   ``meta`` (JSON) says which stage, for ``headthief journal show``.
@@ -45,7 +50,8 @@ import numpy as np
 from ..errors import HeadthiefError, SpecError
 from .transcript import Transcript, has_rows
 
-FORMAT = "headthief-journal-1"
+FORMAT = "headthief-journal-2"
+FORMATS = ("headthief-journal-1", FORMAT)    # read and resumed; a file keeps the format it was created with
 
 
 class JournalError(HeadthiefError):
@@ -56,12 +62,27 @@ class JournalMismatch(SpecError):
     """A journal written by another command (target, method, seed or setting)."""
 
 
-def _checksum(key: bytes, n: int, blob: bytes) -> bytes:
+def _checksum(key: bytes, n: int, blob: bytes, dtype: str = "f8") -> bytes:
     h = hashlib.blake2b(digest_size=8)
     h.update(key)
     h.update(struct.pack("<q", n))
     h.update(blob)
+    if dtype != "f8":                  # float64 records keep the first format's checksum
+        h.update(dtype.encode())
     return h.digest()
+
+
+def _packed(y: np.ndarray, narrow: bool) -> tuple[bytes, str]:
+    """The bytes a record stores and their dtype: float32 where ``narrow`` and every number of ``y`` is a
+    float32 number (it reads back to the same float64 bit for bit; NaNs and infinities too), else float64."""
+    y = np.ascontiguousarray(y, dtype="<f8")
+    if narrow:
+        with np.errstate(over="ignore", invalid="ignore"):
+            y4 = y.astype("<f4")
+        back = y4.astype("<f8")
+        if np.array_equal(back, y, equal_nan=True) and np.array_equal(np.signbit(back), np.signbit(y)):
+            return y4.tobytes(), "f4"
+    return y.tobytes(), "f8"
 
 
 def _wal_tail(path: Path) -> int:
@@ -113,16 +134,19 @@ class Journal(Transcript):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            # a new file's records say their dtype (float32 where exact); a file of the first format stays as it is
             self._db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, key BLOB UNIQUE, "
-                             "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL)")
+                             "n INTEGER NOT NULL, answers BLOB NOT NULL, checksum BLOB NOT NULL, "
+                             "dtype TEXT NOT NULL DEFAULT 'f8')")
             self._db.execute("CREATE TABLE IF NOT EXISTS checkpoints (name TEXT PRIMARY KEY, code TEXT NOT NULL, "
                              "meta TEXT NOT NULL, blob BLOB NOT NULL, checksum BLOB NOT NULL)")
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
         if meta:
-            if meta.get("format") != FORMAT:
-                raise JournalError(f"journal {self.path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+            if meta.get("format") not in FORMATS:
+                raise JournalError(f"journal {self.path} has format {meta.get('format')!r}, expected one of "
+                                   f"{', '.join(map(repr, FORMATS))}")
             old = json.loads(meta.get("fingerprint", "{}"))
             if self.fingerprint and old != self.fingerprint:
                 diff = [f"{k}: journal has {old.get(k)!r}, this run {self.fingerprint.get(k)!r}"
@@ -137,22 +161,31 @@ class Journal(Transcript):
                 self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
                     ("format", FORMAT), ("fingerprint", json.dumps(self.fingerprint, sort_keys=True)),
                     ("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))])
-        # every record is checked now, row by row, and none is kept in memory: answers are read back from the
-        # file when asked for (a MiniLM block's stage A alone answers 5.4 million queries, 22 GB of float64)
         try:
-            for rid, key, n, blob, chk in (self._db.execute("SELECT id, key, n, answers, checksum FROM answers")
-                                           if check_records else ()):
-                self._unpack(rid, key, n, blob, chk)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(answers)")}
+        except sqlite3.DatabaseError as e:
+            raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
+        # a file of the first format stores float64 only (it has no dtype column) and keeps its format
+        self.narrow = "dtype" in columns
+        self._select = ("SELECT id, key, n, answers, checksum, " + ("dtype" if self.narrow else "'f8'") +
+                        " FROM answers")
+        # every record is checked now, row by row, and none is kept in memory: answers are read back from the
+        # file when asked for (a MiniLM block's stage A alone answers 5.4 million queries, 33 GB as float64)
+        try:
+            for row in (self._db.execute(self._select) if check_records else ()):
+                self._unpack(*row)
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path} is damaged ({e}); move it aside to start afresh") from None
 
-    def _unpack(self, rid, key, n, blob, chk) -> np.ndarray:
-        """One record's answers (n numbers, or n rows for vector answers), after its checksum."""
-        if _checksum(key, n, blob) != chk or n < 0 or (n and len(blob) % (8 * n)) or (not n and blob):
+    def _unpack(self, rid, key, n, blob, chk, dtype="f8") -> np.ndarray:
+        """One record's answers (n numbers, or n rows for vector answers) as float64, after its checksum."""
+        size = {"f8": 8, "f4": 4}.get(dtype)
+        if (size is None or _checksum(key, n, blob, dtype) != chk or n < 0 or (n and len(blob) % (size * n))
+                or (not n and blob)):
             raise JournalError(f"journal {self.path} is damaged: record {rid} fails its checksum; "
                                "move it aside to start afresh")
-        y = np.frombuffer(blob, dtype="<f8").astype(np.float64)
-        return y if len(blob) == 8 * n else y.reshape(n, -1)              # vector answers: rows
+        y = np.frombuffer(blob, dtype="<" + dtype).astype(np.float64)
+        return y if len(blob) == size * n else y.reshape(n, -1)           # vector answers: rows
 
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM answers").fetchone()[0])
@@ -166,8 +199,7 @@ class Journal(Transcript):
         """The answers recorded under ``key``, read from the file (checksum checked), if they have ``n`` rows
         (as :meth:`Transcript.lookup`)."""
         try:
-            row = self._db.execute("SELECT id, key, n, answers, checksum FROM answers WHERE key = ?",
-                                   (key,)).fetchone()
+            row = self._db.execute(self._select + " WHERE key = ?", (key,)).fetchone()
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: reading failed ({e})") from None
         if row is None:
@@ -181,11 +213,15 @@ class Journal(Transcript):
     def record(self, key: bytes, y: np.ndarray) -> None:
         """Write one answered batch durably (committed and fsync'ed) before it is used."""
         y = np.ascontiguousarray(y, dtype="<f8")
-        blob = y.tobytes()
+        blob, dtype = _packed(y, self.narrow)
         n = int(y.shape[0])
         try:
-            self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
-                             (key, n, blob, _checksum(key, n, blob)))
+            if self.narrow:
+                self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum, dtype) "
+                                 "VALUES (?, ?, ?, ?, ?)", (key, n, blob, _checksum(key, n, blob, dtype), dtype))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
+                                 (key, n, blob, _checksum(key, n, blob)))
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
 
