@@ -74,13 +74,12 @@ def _checksum(key: bytes, n: int, blob: bytes, dtype: str = "f8") -> bytes:
 
 def _packed(y: np.ndarray, narrow: bool) -> tuple[bytes, str]:
     """The bytes a record stores and their dtype: float32 where ``narrow`` and every number of ``y`` is a
-    float32 number (it reads back to the same float64 bit for bit; NaNs and infinities too), else float64."""
+    float32 number, i.e. reads back to the same float64 bytes (-0.0, infinities and NaNs too), else float64."""
     y = np.ascontiguousarray(y, dtype="<f8")
     if narrow:
         with np.errstate(over="ignore", invalid="ignore"):
             y4 = y.astype("<f4")
-        back = y4.astype("<f8")
-        if np.array_equal(back, y, equal_nan=True) and np.array_equal(np.signbit(back), np.signbit(y)):
+        if y4.astype("<f8").tobytes() == y.tobytes():
             return y4.tobytes(), "f4"
     return y.tobytes(), "f8"
 
