@@ -105,3 +105,29 @@ def test_rank_descent_separates_heads_where_noise_blurs_the_pencil():
         best = min(np.linalg.norm((np.sum(Y * M[h]) / np.sum(Y * Y)) * Y - M[h]) for Y in found)
         assert best <= 1.5 * np.linalg.norm(np.einsum("k,kab->ab", Ti[:, h], noise))
     assert rank_descent(Wn, r, H, np.random.default_rng(76), starts=H - 1) is None
+
+
+@pytest.mark.parametrize("regime", ["truncation", "rounding"])
+def test_the_pilot_reads_choose_the_levels_that_fit_best(regime):
+    """Coarse answers' reads are a trade between truncation (cancelled by more levels) and rounding (less with
+    fewer, larger steps): second-order answers S(h) = 2 h^2 J G [x; 1] + h^4 T4 + h^6 T6 + N, the T off the
+    affine model and N the rounding (the same size at every step), read at the levels 1, 2, 3 (in units of t).
+    Where the truncation dominates all three levels (which cancel both terms) are chosen; where N does, a
+    single large step; and the chosen reads are the closest to the exact ones, which the choice never saw."""
+    from headthief.extraction.block.heads import LEVELS, choose_levels, richardson
+    g = np.random.default_rng(81 if regime == "truncation" else 82)
+    exact, X, J, G, c1, c0 = _problem(g, d=8, P=40, K=3, weak=0.5)
+    t = 0.1
+    trunc, noise = (30.0, 1e-7) if regime == "truncation" else (0.3, 3e-4)
+    T4, T6 = (trunc * k * np.einsum("pij,kpj->kpi", J, g.standard_normal(exact.shape)) for k in (1.0, 10.0))
+    S = {c: 2 * (c * t) ** 2 * exact + (c * t) ** 4 * T4 + (c * t) ** 6 * T6 + noise * g.standard_normal(exact.shape)
+         for c in LEVELS}
+    levels, fits = choose_levels(S, X, J, t, tol=1e-12, c1=c1)
+    assert len(fits) == 5 and fits[levels] == min(fits.values())
+    if regime == "truncation":
+        assert levels == (1.0, 2.0, 3.0)
+    else:
+        assert len(levels) == 1
+    errors = {lv: float(np.linalg.norm(sum(w * S[c] for c, w in zip(lv, richardson(lv, t))) - exact))
+              for lv in fits}
+    assert errors[levels] <= 1.5 * min(errors.values())
