@@ -37,7 +37,9 @@ noise by that token's weakest directions: on all-MiniLM-L6-v2's block 2, 0.9 % n
 4. ``O_h`` by least squares against every read, each head's scale from ``sum_h P O_h = P B - P``.
 
 Queries: ``4 d P`` one-token queries for the Jacobians and ``9 P (2 d + 1)`` for the reads (three step sizes,
-output=all; three more pair queries per read for output=last); P = 2 d + 8 base tokens by default.
+output=all; three more pair queries per read for output=last); P = 2 d + 8 base tokens by default. Coarse
+(float32) answers read three pilot directions at the three steps and the others at the steps the pilot's fits
+choose (:func:`choose_levels`: one step on all-MiniLM-L6-v2's block 2, a third of the read queries).
 Identifiable and returned: ``P O_h`` (ones-component removed, LN1's symmetry), ``W_h`` and ``c_h`` (the
 Q/K and V/O splits are not; heads in any order).
 """
@@ -93,7 +95,8 @@ def _unit(v):
 
 def stage_a_queries(d: int, points: int | None = None, *, output_all: bool = True) -> int:
     """The queries stage A sends: ``4 d P`` one-token queries for the Jacobians and, per read, base token and
-    step size, two one-token queries and one pair (two pairs at output=last)."""
+    step size, two one-token queries and one pair (two pairs at output=last); for coarse answers the most it
+    sends (the reads past the pilot may take fewer step sizes: :func:`choose_levels`)."""
     P = 2 * d + 8 if points is None else int(points)
     return 4 * d * P + (3 if output_all else 4) * len(LEVELS) * P * (2 * d + 1)
 
