@@ -51,6 +51,19 @@ def true_jacobian(truth):
     return jac
 
 
+def stages_l_v(block, truth, rng):
+    """Stages L and V on ``block``'s answers as stage A's research scripts take them (``rng`` drawn as
+    ``extract_block`` draws it): ``(oracle, exact, eps, vs, vs_true)``, ``exact`` the float64 ``truth``'s oracle
+    and ``vs_true`` stage V's parts with ``truth``'s own ``B`` and ``b``."""
+    from headthief.extraction.block.value_sum import with_map
+    d = block.d
+    oracle, exact = ModelOracle(block), ModelOracle(truth)
+    ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
+    eps = max(float(ln.sphere_residual), 1e-15)
+    vs = value_sum(oracle, rng, precision=eps)
+    return oracle, exact, eps, vs, with_map(vs, *truth.value_output_sum())
+
+
 def head_errors(att, truth) -> list[dict]:
     """Per true head: the recovered head nearest in ``P O_h`` (Hungarian) and its relative errors."""
     from scipy.optimize import linear_sum_assignment

@@ -20,13 +20,10 @@ import time
 
 import numpy as np
 
-from headthief.extraction.block import fit_output_layernorm, value_sum
 from headthief.extraction.block import heads as hm
-from headthief.extraction.block.value_sum import with_map
 from headthief.models.bert_block import from_minilm
-from headthief.oracles.base import ModelOracle
 
-from bench_minilm_stage_a import true_jacobian  # the checkpoint's float64 one-token Jacobian (this directory)
+from bench_minilm_stage_a import stages_l_v, true_jacobian  # (this directory)
 
 
 def main() -> None:
@@ -39,13 +36,9 @@ def main() -> None:
     t0 = time.perf_counter()
     block, truth = from_minilm(args.layer, dtype=np.float32), from_minilm(args.layer, dtype=np.float64)
     d = block.d
-    oracle, exact = ModelOracle(block), ModelOracle(truth)
     rng = np.random.default_rng(0)
-    ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
-    eps = max(float(ln.sphere_residual), 1e-15)
-    vs = value_sum(oracle, rng, precision=eps)
-    Bt, bt = truth.value_output_sum()
-    vs_true = with_map(vs, Bt, bt)
+    oracle, exact, eps, vs, vs_true = stages_l_v(block, truth, rng)
+    Bt = truth.value_output_sum()[0]
     own = 0.8 * eps ** 0.125                                   # extract_heads' step at tokens of norm sqrt(d)
     Pn = 2 * d + 8
     X = rng.standard_normal((Pn, d))

@@ -12,11 +12,10 @@ import time
 
 import numpy as np
 
-from headthief.extraction.block import fit_output_layernorm, value_sum
 from headthief.extraction.block import heads as hm
-from headthief.extraction.block.value_sum import with_map
 from headthief.models.bert_block import from_minilm, random_block
-from headthief.oracles.base import ModelOracle
+
+from bench_minilm_stage_a import stages_l_v, true_jacobian  # (this directory)
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--target", default="minilm", help="minilm (block 2) or D,H,FFN,SEED (a random block)")
@@ -30,13 +29,8 @@ else:
     d_, h_, f_, s_ = map(int, which.split(","))
     block, truth = random_block(d_, h_, f_, seed=s_, dtype=np.float32), random_block(d_, h_, f_, seed=s_)
 d = block.d
-oracle, exact = ModelOracle(block), ModelOracle(truth)
 rng = np.random.default_rng(0)
-ln = fit_output_layernorm(np.asarray(oracle.query_packed(rng.standard_normal((4, (d + 2) // 4 + 2, d)))))
-eps = max(float(ln.sphere_residual), 1e-15)
-vs = value_sum(oracle, rng, precision=eps)
-Bt, bt = truth.value_output_sum()
-vs_true = with_map(vs, Bt, bt)
+oracle, exact, eps, vs, vs_true = stages_l_v(block, truth, rng)
 own = 0.8 * eps ** 0.125
 Pn = 2 * d + 8
 X = rng.standard_normal((Pn, d)); X *= np.sqrt(d) / np.linalg.norm(X, axis=1, keepdims=True)
@@ -61,7 +55,6 @@ print(f"{oracle.queries + exact.queries} queries, {time.perf_counter() - t0:.0f}
 # the output-space fit of each level set's reads (the checkpoint's float64 Jacobians), its residual, and G
 # against the fit of the float64 true-B reads
 from headthief.extraction.block.read_fit import fit_in_output_space
-from bench_minilm_stage_a import true_jacobian  # (this directory)
 jac = true_jacobian(truth)
 Js = np.stack([jac(X[p]) for p in range(Pn)])
 Gref, rref = fit_in_output_space(ref, X, Js, tol=1e-12, c1=vs_true.c1)
