@@ -74,8 +74,8 @@ def _checksum(key: bytes, n: int, blob: bytes, dtype: str = "f8") -> bytes:
 
 def _packed(y: np.ndarray, narrow: bool) -> tuple[bytes, str]:
     """The bytes a record stores and their dtype: float32 where ``narrow`` and every number of ``y`` is a
-    float32 number, i.e. reads back to the same float64 bytes (-0.0, infinities and NaNs too), else float64."""
-    y = np.ascontiguousarray(y, dtype="<f8")
+    float32 number, i.e. reads back to the same float64 bytes (-0.0, infinities and NaNs too), else float64
+    (``y``: contiguous little-endian float64)."""
     if narrow:
         with np.errstate(over="ignore", invalid="ignore"):
             y4 = y.astype("<f4")
@@ -168,6 +168,8 @@ class Journal(Transcript):
         self.narrow = "dtype" in columns
         self._select = ("SELECT id, key, n, answers, checksum, " + ("dtype" if self.narrow else "'f8'") +
                         " FROM answers")
+        self._insert = ("INSERT OR REPLACE INTO answers (key, n, answers, checksum" +
+                        (", dtype) VALUES (?, ?, ?, ?, ?)" if self.narrow else ") VALUES (?, ?, ?, ?)"))
         # every record is checked now, row by row, and none is kept in memory: answers are read back from the
         # file when asked for (a MiniLM block's stage A alone answers 5.4 million queries, 33 GB as float64)
         try:
@@ -214,13 +216,9 @@ class Journal(Transcript):
         y = np.ascontiguousarray(y, dtype="<f8")
         blob, dtype = _packed(y, self.narrow)
         n = int(y.shape[0])
+        row = (key, n, blob, _checksum(key, n, blob, dtype)) + ((dtype,) if self.narrow else ())
         try:
-            if self.narrow:
-                self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum, dtype) "
-                                 "VALUES (?, ?, ?, ?, ?)", (key, n, blob, _checksum(key, n, blob, dtype), dtype))
-            else:
-                self._db.execute("INSERT OR REPLACE INTO answers (key, n, answers, checksum) VALUES (?, ?, ?, ?)",
-                                 (key, n, blob, _checksum(key, n, blob)))
+            self._db.execute(self._insert, row)
         except sqlite3.DatabaseError as e:
             raise JournalError(f"journal {self.path}: writing failed ({e})") from None
 

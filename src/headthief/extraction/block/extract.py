@@ -774,7 +774,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             "ffn_profile_fit_worst": part.info.get("profile_fit_worst"), "insample_rel_err": insample,
             "heads_residual": att.info["heads_residual"], "heads_polish_sweeps": att.info["polish_sweeps"],
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,
-            "heads_read_levels": att.info.get("levels", "1/2/3"),
+            "heads_read_levels": att.info["levels"],
             **({"heads_read_levels_pilot": att.info["levels_pilot_fits"]} if "levels_pilot_fits" in att.info else {}),
             "resumed_from": done, "queries_restored": ck.offset, "refit_device": device, **polish,
             **{(k if k.startswith("block_") else f"one_token_{k}"): v for k, v in refit.items()},

@@ -150,6 +150,11 @@ def reads(oracle: Oracle, vs: ValueSum, X: np.ndarray, dirs: np.ndarray, t: floa
     return out
 
 
+def _richardson_sum(S: dict, levels, t: float) -> np.ndarray:
+    """The Richardson sum over ``levels`` of second-order answers ``S`` (level -> :func:`second_order`'s array)."""
+    return sum(wk * S[c] for c, wk in zip(levels, richardson(levels, t)))
+
+
 def choose_levels(S: dict, X: np.ndarray, Js: np.ndarray, t: float, *, tol: float, c1) -> tuple[tuple, dict]:
     """The level set of :data:`CANDIDATES` whose Richardson sum of the pilot reads ``S`` (level -> (reads, P,
     d_out), every level of :data:`LEVELS`) fits the model best: the smallest worst relative residual of the
@@ -162,9 +167,7 @@ def choose_levels(S: dict, X: np.ndarray, Js: np.ndarray, t: float, *, tol: floa
     its reads' fit within 4.9e-3 of exact answers' against 4.5e-2). Returns the set and each one's residual."""
     figures = {}
     for lv in CANDIDATES:
-        w = richardson(lv, t)
-        R = sum(wk * S[c] for c, wk in zip(lv, w))
-        figures[lv] = float(np.max(fit_in_output_space(R, X, Js, tol=tol, c1=c1)[1]))
+        figures[lv] = float(np.max(fit_in_output_space(_richardson_sum(S, lv, t), X, Js, tol=tol, c1=c1)[1]))
     return min(CANDIDATES, key=lambda lv: figures[lv]), figures
 
 
@@ -597,7 +600,7 @@ def extract_heads(oracle: Oracle, vs: ValueSum, rng: np.random.Generator, *, hea
         levels, level_fits = choose_levels(S, X, Js, t, tol=max(eps, FIT_TOL), c1=vs.c1)
         rest = np.setdiff1d(np.arange(len(dirs)), pilot)
         JR = np.empty((len(dirs),) + S[LEVELS[0]].shape[1:])
-        JR[pilot] = sum(wk * S[c] for c, wk in zip(levels, richardson(levels, t)))
+        JR[pilot] = _richardson_sum(S, levels, t)
         JR[rest] = reads(oracle, vs, X, dirs[rest], t, progress=progress, levels=levels)
     else:
         JR = reads(oracle, vs, X, dirs, t, progress=progress)
