@@ -185,6 +185,45 @@ def test_the_progress_bar_is_told_each_stage_and_the_refits_evaluations():
     assert any(t.startswith("R block refit, evaluation 50, rms ") for t in bar.texts)
 
 
+def test_the_bar_total_comes_down_by_the_stage_a_reads_its_pilot_did_not_send():
+    """float32 answers: stage A's pilot chose two of the three Richardson levels, so its reads sent fewer
+    queries than the plan (``expected_queries``) counts; the bar is told the difference, and after it the
+    plan's stage A is what stage A sent."""
+    from headthief.extraction.block.heads import stage_a_planned
+    from headthief.models.bert_block import random_block
+    from headthief.oracles.base import ModelOracle
+
+    class Shrinking(_Bar):
+        shrunk = []
+
+        def shrink(self, n):
+            self.shrunk.append(n)
+
+    bar = Shrinking()
+    oracle = ModelOracle(random_block(8, 2, 8, seed=1, dtype=np.float32))
+    res = extract.extract_block(oracle, heads=2, ffn=8, rng=1, verify=16, progress=bar)
+    levels = res.diagnostics["heads_read_levels"].split("/")
+    assert len(levels) < 3                                  # this block's pilot: fewer levels than the plan's
+    sent = res.diagnostics["queries_stage_A"]
+    assert bar.shrunk == [stage_a_planned(8, True) - sent] and bar.shrunk[0] > 0
+    P = 2 * 8 + 8                                           # base tokens; 3 queries a read, base token and level
+    assert sent == 3 * P * (3 * 3 + len(levels) * (2 * 8 + 1 - 3))      # 3 pilot reads at 3 levels, the rest
+
+
+def test_the_cli_bar_shrinks_to_what_was_sent_and_never_below_the_count():
+    from headthief.cli.extract import _ProgressBar
+    bar = _ProgressBar(None, "block x", enabled=False)
+    bar.set_total(1000)
+    bar(300)
+    bar.shrink(200)
+    assert bar.total == 800
+    bar.shrink(0)
+    bar.shrink(-5)                                          # more sent than planned: the total stays
+    assert bar.total == 800
+    bar.shrink(10_000)
+    assert bar.total == 300                                 # never below what was counted
+
+
 def test_an_encoder_run_cut_in_its_second_block_resumes_after_the_first(tmp_path, monkeypatch):
     """``--method encoder`` keeps a checkpoint after stage E and after every block: killed in block 1, the same
     command goes on at block 1, with block 0 restored bit for bit and its queries counted, not asked."""

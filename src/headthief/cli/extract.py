@@ -141,6 +141,7 @@ class _ProgressBar:
         self.stage: str | None = None
         self.text = ""
         self.last = clock()
+        self.total = total
         if enabled and not self.log:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -150,8 +151,16 @@ class _ProgressBar:
             self.bar.start()
 
     def set_total(self, total: int | None) -> None:
-        if self.bar is not None and total:
-            self.bar.update(self.task, total=total)
+        if total:
+            self.total = int(total)
+            if self.bar is not None:
+                self.bar.update(self.task, total=total)
+
+    def shrink(self, n: int) -> None:
+        """A stage sent ``n`` fewer queries than the planned total counted (stage A's float32 reads at the
+        levels its pilot chose): the bar's total comes down by them, so it ends full."""
+        if self.total and n > 0:
+            self.set_total(max(self.total - int(n), self.count, 1))
 
     def describe(self, text: str) -> None:
         """What the run is doing now, beside the bar (a method's stages, a long fit's evaluations)."""

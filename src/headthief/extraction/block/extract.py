@@ -49,7 +49,7 @@ from ..result import Fidelity, freeze_fields, rel_err
 from .ffn import (FFNPart, NearlyLinearFFN, check_one_token, check_span_fits, default_points, extract_ffn,
                   tight_note)
 from .ffn_probes import check_fits, extract_ffn_probes, full_queries, probe_queries, use_probes
-from .heads import Heads, extract_heads, stage_a_queries
+from .heads import Heads, extract_heads, stage_a_planned
 from .layernorm import OutputLayerNorm, check_on_ellipsoid, ellipsoid_limit, fit_output_layernorm
 from .block_refit import REFIT_LENGTHS, refit_block, refit_counts
 from .resume import StageCheckpoints
@@ -428,8 +428,8 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
     if ln_eps:
         return expected_queries(d, ffn, True, stage_f) + LN_EPS_TOKENS
     if not float32:
-        return base + stage_a_queries(d)
-    return (base + stage_a_queries(d) - 4 * d * (2 * d + 8) + random_queries(d, ffn)
+        return base + stage_a_planned(d, False)
+    return (base + stage_a_planned(d, True) + random_queries(d, ffn)
             + sum(refit_counts(d, ffn)) + NOISE_SEGMENTS * NOISE_POINTS)      # the check's noise segments
 
 
@@ -664,6 +664,9 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         describe("stage A (the heads)")
         att = draw_heads()
         mark("A", q0)
+        shrink = getattr(progress, "shrink", None)     # the CLI's bar: stage A's pilot chose fewer levels than
+        if shrink is not None:                        # the plan counts (coarse answers), so its total comes down
+            shrink(stage_a_planned(oracle.d, coarse) - stages["A"])
         st = {**st, "att": att}
         ck.save("A", {**st, "stages": stages, "seconds": seconds})
     att = st["att"]

@@ -101,6 +101,12 @@ def stage_a_queries(d: int, points: int | None = None, *, output_all: bool = Tru
     return 4 * d * P + (3 if output_all else 4) * len(LEVELS) * P * (2 * d + 1)
 
 
+def stage_a_planned(d: int, coarse: bool) -> int:
+    """The block method's planned stage-A queries (:func:`stage_a_queries` at its default points): coarse
+    answers take no Jacobian stencils (stage A pulls back through the refitted model), and the most reads."""
+    return stage_a_queries(d) - (4 * d * (2 * d + 8) if coarse else 0)
+
+
 def second_order(oracle: Oracle, vs: ValueSum, X: np.ndarray, E: np.ndarray, t: float) -> np.ndarray:
     """``S(t)`` of the module docstring for every base token (rows of X) and direction (rows of E):
     (len(E), len(X), d_out)."""
