@@ -268,6 +268,44 @@ def test_the_checkpoint_interval_from_the_environment(monkeypatch):
             resume._every()
 
 
+def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypatch):
+    """The probe route's neuron search (hours at MiniLM's size) keeps its state as ``F-search``: a run killed
+    in the search reads stage F again (its answers replayed from the journal), finds the same span bit for bit
+    and goes on from the kept starts; the result and the queries are the uninterrupted run's."""
+    from headthief.extraction.block import ffn
+    whole = ht.extract(SPEC, "block", verify=64, stage_f="probes")
+    journal = str(tmp_path / "j.sqlite")
+    real, steps, kept = ffn._power_step, [0], []
+
+    class Cut(Exception):
+        pass
+
+    def dies_in_the_search(C, Q, d, cols, tol):
+        steps[0] += 1
+        if steps[0] == 40:                               # after the 39th step's checkpoint: some neurons found
+            with sqlite3.connect(journal) as db:
+                kept.extend(r[0] for r in db.execute("SELECT meta FROM checkpoints"))
+            raise Cut
+        return real(C, Q, d, cols, tol)
+
+    monkeypatch.setattr(resume, "EVERY", 0.0)
+    monkeypatch.setattr(ffn, "_power_step", dies_in_the_search)
+    with pytest.raises(Cut):
+        ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
+    assert len(kept) == 1 and '"F-search"' in kept[0]
+    monkeypatch.setattr(ffn, "_power_step", real)
+    rep = ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
+    r, full = rep.row, whole.row
+    assert rep.ok and r["resumed_from"] == "F-search" and r["neuron_search_resumed_from"] > 0
+    assert r["queries"] == full["queries"] and r["queries_restored"] == (
+        full["queries_stage_L"] + full["queries_stage_activation"] + full["queries_stage_V"])
+    assert 0 < r["queries_replayed"] < full["queries_stage_F"]        # stage F's answers before the cut, replayed
+    for name in ("W1", "W2", "b1", "ln1_gamma", "ln2_gamma"):          # the uninterrupted run's, bit for bit
+        assert np.array_equal(getattr(rep.result.block, name), getattr(whole.result.block, name))
+    other = ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)   # finished: nothing redone
+    assert other.row["resumed_from"] == "R" and other.row["queries_fresh"] == 0
+
+
 def test_journal_show_says_where_a_run_stands(tmp_path, capsys):
     import json
 

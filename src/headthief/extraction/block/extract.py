@@ -568,8 +568,31 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             def span_progress(step, res):         # the span's steps (hours at MiniLM's size), then the neurons
                 describe(f"{name}, span step {step}, fixed-point residual {res:.2e}")
 
-            def neuron_progress(found, count, starts):
-                describe(f"{name}, neuron search, {found} of {count} found in {starts} starts")
+            f_rng = rng.bit_generator.state                  # a kept neuron search resumes stage F from here
+
+            class NeuronProgress:
+                """The neuron search's progress on the bar, and its checkpoint (the probe route's search is
+                hours at MiniLM's size): kept at most once a minute as ``F-search``, with the generator and
+                the queries as at stage F's start, so a resumed run reads stage F again (its answers replayed
+                from the journal) and the search goes on where it was kept, if the span is the same."""
+
+                def __call__(self, found, count, starts):
+                    describe(f"{name}, neuron search, {found} of {count} found in {starts} starts")
+
+                def keep(self, key, state):
+                    if ck.due():
+                        ck.save("F-search", {**st, "search": (key, state()), "stages": stages, "seconds": seconds},
+                                rng_state=f_rng, spent=f_start)
+
+                restored_at = None                           # the kept search's starts, once restored
+
+                def restore(self, key):
+                    kept = st.get("search") if done == "F-search" else None
+                    if kept is None or kept[0] != key:
+                        return None
+                    self.restored_at = int(kept[1]["starts"])
+                    return kept[1]
+            neuron_progress = NeuronProgress()
 
             def read_f(**points):
                 return route(oracle, ln, vs, rng, ffn=int(ffn), precision=eps_f, progress=span_progress,
@@ -593,7 +616,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                     missed.append(str(e).removesuffix(tight_note(d, int(ffn))))   # said once, with the last read
                     describe(f"{name}, again at {2 * more * base} fresh points ({e})")
             span_part = dataclasses.replace(span_part, info={**span_part.info, "retried": missed})
-            st = {**st, "span": span_part, "f_start": f_start}
+            st = {**{k: v for k, v in st.items() if k != "search"}, "span": span_part, "f_start": f_start,
+                  "search_resumed": neuron_progress.restored_at}
             if coarse:
                 ck.save("F-span", {**st, "stages": stages, "seconds": seconds})
         else:                                     # stage F's queries so far, counted as if asked in this run
@@ -779,7 +803,8 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             "heads_read_fit_residual": att.info["read_fit_residual"], "token_norm": scale,
             "heads_read_levels": att.info["levels"],
             **({"heads_read_levels_pilot": att.info["levels_pilot_fits"]} if "levels_pilot_fits" in att.info else {}),
-            "resumed_from": done, "queries_restored": ck.offset, "refit_device": device, **polish,
+            "resumed_from": done, "neuron_search_resumed_from": st.get("search_resumed"),
+            "queries_restored": ck.offset, "refit_device": device, **polish,
             **{(k if k.startswith("block_") else f"one_token_{k}"): v for k, v in refit.items()},
             "fitted": ("FFN span (iterated), neuron profiles (1-D fits), heads (alternating least squares); "
                        + ("LN1, the FFN and LN2 then refitted to one-token answers (stage F's map missed its check)"

@@ -601,12 +601,20 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     are drawn off the neurons already found (orthogonal to their coordinates in the span): a neuron whose basin
     is small is then not left to chance (d = 64, ffn = 256, research seed 3: 255 of 256 in 10,440 uniform
     starts, with the span right to 5e-11). ``found_progress``: as for :func:`rank_ones` (at MiniLM's size
-    this search is most of an hour)."""
+    this search is hours); one with ``keep(key, state)`` is offered the search's state before every step
+    (``state()`` builds it: the caller keeps it when due) and one with ``restore(key)`` gives a kept state
+    back (or None): a search cut between two of its checkpoints goes on from the last, as it would have gone
+    on (``key``: :func:`span_key`)."""
     max_starts = max_starts or 40 * count + 200
     K = Q.shape[1]
     Qr = Q.reshape(d, cols * K)
     found: list[tuple[np.ndarray, np.ndarray]] = []
     basis = np.zeros((K, 0))                               # found neurons' coordinates, orthonormalised
+    restore, keeper = getattr(found_progress, "restore", None), getattr(found_progress, "keep", None)
+    key = span_key(Q, count, d, cols) if restore is not None or keeper is not None else None
+    kept = restore(key) if restore is not None else None
+    if kept is not None and kept["tol"] != tol:
+        kept = None                                          # kept at another tolerance: not this search
 
     def fresh(k):
         nonlocal basis
@@ -624,10 +632,23 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
             C[:h] -= (C[:h] @ basis) @ basis.T
         return C / np.linalg.norm(C, axis=1, keepdims=True)
 
-    C = fresh(min(batch, max_starts))
-    age = np.zeros(len(C), dtype=int)
-    starts = len(C)
+    if kept is None:
+        C = fresh(min(batch, max_starts))
+        age = np.zeros(len(C), dtype=int)
+        starts = len(C)
+    else:
+        # the search as it was kept (between two steps): its elements found, their basis, the starts in flight
+        # and their ages, the generator's state; it goes on as the uninterrupted search would have
+        found = [(np.asarray(u), np.asarray(v)) for u, v in kept["found"]]
+        basis, C, age = (np.array(kept[k]) for k in ("basis", "C", "age"))
+        starts = int(kept["starts"])
+        rng.bit_generator.state = kept["rng"]
+        if found_progress is not None and found:
+            found_progress(len(found), count, starts)
     while len(C) and len(found) < count:
+        if keeper is not None:
+            keeper(key, lambda: {"tol": tol, "found": [(u.copy(), v.copy()) for u, v in found], "basis": basis.copy(),
+                               "C": C.copy(), "age": age.copy(), "starts": starts, "rng": rng.bit_generator.state})
         C, settled = _power_step(C, Q, d, cols, tol)
         age = age + 1
         done = settled | (age >= iterations)
@@ -650,20 +671,39 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     return found[:count], starts
 
 
+def span_key(Q: np.ndarray, count: int, d: int, cols: int) -> str:
+    """A digest of the span (its bytes) and the search's shape: a kept search state is restored only into
+    the very span it was searching (:func:`rank_ones_batched`)."""
+    import hashlib
+    h = hashlib.sha256(np.ascontiguousarray(Q, dtype=np.float64).tobytes())
+    h.update(f"{Q.shape},{int(count)},{int(d)},{int(cols)}".encode())
+    return h.hexdigest()
+
+
 def neurons(Q: np.ndarray, ffn: int, d: int, rng: np.random.Generator, tol: float, coarse: bool,
             cols: int | None = None, found_progress=None, on_miss=None):
     """``ffn`` neurons: :func:`rank_ones` (d x d elements) or :func:`rank_ones_batched` (d x ``cols``, the
     probe route); in a span blurred by coarse answers a neuron the search misses is retried at 3x and 10x
     the tolerance (seed 7006 found 31 of 32 at 1x, measured). ``on_miss(error)``, if given, is called once
     after the first miss, before the retries (it may raise: stage F asks there whether the FFN is nearly
-    linear, which no wider tolerance mends: :func:`nearly_linear`)."""
+    linear, which no wider tolerance mends: :func:`nearly_linear`). A ``found_progress`` with ``restore``
+    and ``keep`` keeps the probe route's search (:func:`rank_ones_batched`); a search kept at a wider
+    tolerance goes on there, the narrower ones it had already missed not run again."""
     def search(t):
         if cols is None:
             return rank_ones(Q, ffn, d, rng, tol=t, found_progress=found_progress)
         return rank_ones_batched(Q, ffn, d, cols, rng, tol=t, found_progress=found_progress)
     if not coarse:
         return search(tol)
-    for k, t in enumerate(min(f * tol, 0.3) for f in (1, 3, 10)):
+    tols = [min(f * tol, 0.3) for f in (1, 3, 10)]
+    restore = getattr(found_progress, "restore", None)
+    kept = restore(span_key(Q, ffn, d, cols)) if cols is not None and restore is not None else None
+    first = 0
+    if kept is not None and kept["tol"] in tols:
+        first = tols.index(kept["tol"])             # the kept search's tolerance: the ones before it missed
+    for k, t in enumerate(tols):
+        if k < first:
+            continue
         try:
             return search(t)
         except NotIdentifiable as e:

@@ -13,7 +13,10 @@ L-BFGS memory and scaling drawn afresh, but its losses so far kept (``*_history`
 its stopping rule's window count the iterations before the cut (``resumed_from`` in the run's figures says
 after which stage, ``one_token_resumed_from_evaluation`` and ``block_refit_resumed_from_evaluation`` from
 which evaluation).
-The block method's stages: ``V`` (stages L, activation and V), ``F-span`` (stage F's algebra, before F+),
+The block method's stages: ``V`` (stages L, activation and V), ``F-search`` (stage F's neuron search on the
+probe route, cut between two of its checkpoints: stage F is read again from its start, its answers replayed, and
+the search goes on from the kept state where the span is the same bit for bit), ``F-span`` (stage F's algebra,
+before F+),
 ``F+partial``, ``F``, ``A``, ``R-partial``, ``R``; ``--method encoder``'s: ``E``, ``block 0``, ``block 1``, ...
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ...oracles.base import Oracle, oracle_stack
 from ...oracles.checkpoints import code_fingerprint
 
 NAME = "block"                        # the one checkpoint row of a block run
-STAGES = ("V", "F-span", "F+partial", "F", "A", "R-partial", "R")
+STAGES = ("V", "F-search", "F-span", "F+partial", "F", "A", "R-partial", "R")
 EVERY = 60.0                          # seconds between checkpoints inside a refit (HEADTHIEF_CHECKPOINT_SECONDS)
 ENV = "HEADTHIEF_CHECKPOINT_SECONDS"
 
