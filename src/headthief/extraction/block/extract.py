@@ -580,7 +580,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                     describe(f"{name}, neuron search, {found} of {count} found in {starts} starts")
 
                 def keep(self, key, state):
-                    if ck.due():
+                    if ck.store is not None and ck.due():     # (no journal: nothing kept, nothing built)
                         ck.save("F-search", {**st, "search": (key, state()), "stages": stages, "seconds": seconds},
                                 rng_state=f_rng, spent=f_start)
 
