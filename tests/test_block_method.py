@@ -367,6 +367,82 @@ def test_rank_one_search_finds_coherent_neurons_of_a_grouped_ffn(seed):
         assert min(min(np.linalg.norm(M - s * np.outer(a, b)) for s in (1, -1)) for a, b in found) <= 1e-10
 
 
+def _probe_span(d, cols, m, seed):
+    g = np.random.default_rng(seed)
+    els = [np.outer(g.standard_normal(d), g.standard_normal(cols)).ravel() for _ in range(m)]
+    return np.linalg.qr(np.stack(els + [g.standard_normal(d * cols)], axis=1))[0]
+
+
+class _Keeper:
+    """A neuron search's progress that keeps every state offered and gives back one (``give``) once."""
+
+    def __init__(self, give=None, key=None):
+        self.states, self.give, self.key, self.asked = [], give, key, []
+
+    def __call__(self, found, count, starts):
+        pass
+
+    def keep(self, key, state):
+        self.states.append((key, state()))
+
+    def restore(self, key):
+        self.asked.append(key)
+        return self.give if self.give is not None and key == self.key else None
+
+
+def test_a_kept_neuron_search_goes_on_as_the_uninterrupted_one_and_only_in_its_own_span():
+    """rank_ones_batched offers its state before every step; restored at step k it finds the same elements
+    from the same starts and leaves the Generator where the uninterrupted search left it. A state kept for
+    another span (another key) or another tolerance is not used."""
+    from headthief.extraction.block.ffn import rank_ones_batched, span_key
+    d, cols, m = 12, 4, 8
+    Q = _probe_span(d, cols, m, 5)
+    whole = _Keeper()
+    a = np.random.default_rng(9)
+    found, starts = rank_ones_batched(Q, m, d, cols, a, tol=1e-8, batch=8, found_progress=whole)
+    assert len(whole.states) > 20 and {k for k, _ in whole.states} == {span_key(Q, m, d, cols)}
+    key, mid = whole.states[len(whole.states) // 2]
+    assert 0 < len(mid["found"]) < m
+    b = np.random.default_rng(12345)                               # any generator: the kept state sets it
+    again = _Keeper(give=mid, key=key)
+    found2, starts2 = rank_ones_batched(Q, m, d, cols, b, tol=1e-8, batch=8, found_progress=again)
+    assert starts2 == starts and a.standard_normal() == b.standard_normal()
+    assert all(np.array_equal(u, p) and np.array_equal(v, q) for (u, v), (p, q) in zip(found, found2))
+    assert len(again.states) == len(whole.states) - len(whole.states) // 2
+    other = _probe_span(d, cols, m, 6)                             # another span: its own key, a fresh search
+    fresh = _Keeper(give=mid, key=key)
+    rank_ones_batched(other, m, d, cols, np.random.default_rng(9), tol=1e-8, batch=8, found_progress=fresh)
+    assert fresh.asked == [span_key(other, m, d, cols)] != [key] and fresh.states[0][1]["starts"] == 8
+    wider = _Keeper(give={**mid, "tol": 1e-7}, key=key)          # kept at another tolerance: not this search
+    rank_ones_batched(Q, m, d, cols, np.random.default_rng(9), tol=1e-8, batch=8, found_progress=wider)
+    assert wider.states[0][1]["starts"] == 8 and len(wider.states) == len(whole.states)
+
+
+def test_neurons_go_on_at_the_tolerance_the_kept_search_had_reached(monkeypatch):
+    """A search kept at 3x the tolerance (the 1x one had missed) goes on there: the 1x search is not run again."""
+    from headthief.extraction.block import ffn
+    d, cols, m = 12, 4, 8
+    Q = _probe_span(d, cols, m, 5)
+    tols = []
+    real = ffn.rank_ones_batched
+
+    def spy(*args, tol, **kw):
+        tols.append(tol)
+        return real(*args, tol=tol, **kw)
+    monkeypatch.setattr(ffn, "rank_ones_batched", spy)
+    ffn.neurons(Q, m, d, np.random.default_rng(1), 1e-6, True, cols=cols,
+                found_progress=_Keeper(give=None))                    # nothing kept: from 1x
+    assert tols == [1e-6]
+    tols.clear()
+
+    class At3x(_Keeper):
+        def restore(self, key):                # neurons() asks first and reads the tolerance; the search's own
+            self.asked.append(key)             # ask finds nothing (a fresh search at 3x, for this test)
+            return {"tol": 3e-6} if len(self.asked) == 1 else None
+    ffn.neurons(Q, m, d, np.random.default_rng(1), 1e-6, True, cols=cols, found_progress=At3x())
+    assert tols == [3e-6]
+
+
 def test_value_sum_bad_input():
     from headthief.targets import resolve
     scalar = resolve("random:d=8,seed=1")
