@@ -4,6 +4,7 @@ a block refit cut short goes on from its last checkpoint, and a journal's checkp
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sqlite3
@@ -268,7 +269,7 @@ def test_the_checkpoint_interval_from_the_environment(monkeypatch):
             resume._every()
 
 
-def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypatch):
+def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypatch, capsys):
     """The probe route's neuron search (hours at MiniLM's size) keeps its state as ``F-search``: a run killed
     in the search reads stage F again (its answers replayed from the journal), finds the same span bit for bit
     and goes on from the kept starts; the result and the queries are the uninterrupted run's."""
@@ -281,10 +282,11 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
         pass
 
     def dies_in_the_search(C, Q, d, cols, tol):
-        steps[0] += 1
-        if steps[0] == 40:                               # after the 39th step's checkpoint: some neurons found
-            with sqlite3.connect(journal) as db:
-                kept.extend(r[0] for r in db.execute("SELECT meta FROM checkpoints"))
+        steps[0] += 1                                    # killed once a kept state holds two neurons or more
+        with sqlite3.connect(journal) as db:
+            meta = [r[0] for r in db.execute("SELECT meta FROM checkpoints")]
+        if meta and json.loads(meta[0]).get("neurons_found", 0) >= 2:
+            kept.extend(meta)
             raise Cut
         return real(C, Q, d, cols, tol)
 
@@ -293,6 +295,11 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     with pytest.raises(Cut):
         ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
     assert len(kept) == 1 and '"F-search"' in kept[0]
+    from headthief.cli import main
+    assert main(["journal", "show", journal]) == 0                  # where the search stands, without running it
+    import re
+    got = re.search(r"after F-search \(([\d,]+) neurons found in ([\d,]+) starts\)", capsys.readouterr().out)
+    assert got is not None and 2 <= int(got[1]) < 12 and int(got[2]) >= 64
     monkeypatch.setattr(ffn, "_power_step", real)
     rep = ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
     r, full = rep.row, whole.row

@@ -63,6 +63,8 @@ def run(args) -> int:
         print("checkpoint  none")
     for c in info["checkpoints"]:
         at = f" (evaluation {c['evaluation']})" if c.get("evaluation") else ""
+        if c.get("neurons_found") is not None:        # inside stage F's neuron search
+            at = f" ({c['neurons_found']:,} neurons found in {c['search_starts']:,} starts)"
         use = "usable by this version" if c["usable"] else "written by another version: its stages would be recomputed"
         print(f"checkpoint  {c['name']}: after {c.get('stage', '?')}{at}, {c.get('spent', 0):,} queries spent, "
               f"written {c.get('written', '?')}, {_size(c['bytes'])}; {use}")

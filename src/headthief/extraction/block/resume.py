@@ -99,9 +99,12 @@ class StageCheckpoints:
             raise ValueError(f"unknown stage {stage!r}")
         spent = self.spent() if spent is None else int(spent)
         evaluation = state.get("partial_calls", state.get("fplus_calls")) if stage.endswith("partial") else None
+        search = state.get("search") if stage == "F-search" else None     # (key, the neuron search's state)
         self.store.checkpoint(self.name, self.code, {
             "stage": stage, "state": state, "rng": rng_state if rng_state is not None else self.rng.bit_generator.state,
             "spent": spent}, meta={"stage": stage, "spent": spent, "evaluation": evaluation,
+                                   **({"neurons_found": len(search[1]["found"]), "search_starts": int(search[1]["starts"])}
+                                      if search is not None else {}),
                                    "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         self._last = time.monotonic()
 
