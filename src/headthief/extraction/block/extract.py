@@ -895,7 +895,9 @@ def _how_to_go_on(plan: dict[str, float], device: str | None) -> str:
     need = math.ceil(total / step) * step
     text = (f"To run them: the same command with --max-tflop {need:.4g}, and with --journal J.sqlite if it has none: "
             "the journal keeps every answer and a checkpoint after each stage" +
-            (" and through the refits" if refits > 0 else "") + ", and the same command goes on from there")
+            (" and through the refits" if refits > 0 else "") +
+            " (and once a minute in stage F's neuron search on the probe route), and the same command goes on from "
+            "there")
     if refits > 0 and device in (None, "cpu"):
         text += (f". The two refits are {refits:.3g} of the {total:.3g} TFLOP: --refit-device cuda runs them on a "
                  "GPU (minutes at MiniLM's size; docs/block.md, \"The refits on a GPU\")")
