@@ -534,11 +534,13 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
 
 
 SETTLE = 1e-9            # a power iterate has settled when a step moves it less than this times the tolerance
-COARSE_SETTLE = 1e-6     # ...in a span blurred by coarse answers (:func:`neurons`): an iterate that moves less than
-                         # 1e-6 tol a step lies within 1e-3 tol of its fixed point at a contraction of 0.999, far
-                         # inside the blur. Measured on blurred probe spans of MiniLM block 2's real neurons (a
-                         # coordinate subset, blur 1e-3, tol 0.03): at d = 128, 512 neurons, 2,309 steps against
-                         # 3,788 (26 s against 37), every element as close to the truth (median 4.04e-4, worst 5.09e-4)
+COARSE_SETTLE = 1e-9     # ...in a span blurred by coarse answers (:func:`neurons`). 1e-6 took 1.6x fewer steps on
+                         # blurred spans of MiniLM's real neurons (d = 128, 512 neurons: every element as close to
+                         # the truth), but at MiniLM's size (minilm-block-hf:layer=2, 2026-12-02) iterates settled
+                         # that loosely passed the distinctness test (overlap < 1 - 1e-6) as copies of one neuron:
+                         # 4 pairs above 0.99 (the closest 1 - 2.3e-6), and stage F ended in exit 2 (the normal
+                         # matrix of the neurons' input directions at conditioning 6.8e-13). Back at 1e-9 until
+                         # the distinctness test is tied to the settle threshold
 
 
 def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float,
