@@ -443,21 +443,6 @@ def test_neurons_go_on_at_the_tolerance_the_kept_search_had_reached(monkeypatch)
     assert tols == [3e-6]
 
 
-def test_neurons_pass_the_settle_threshold_of_the_span():
-    """neurons() gives the batched search COARSE_SETTLE for a blurred span and SETTLE for an exact one."""
-    from headthief.extraction.block import ffn
-    Q = _probe_span(12, 4, 8, 5)
-    seen = []
-    real = ffn.rank_ones_batched
-    try:
-        ffn.rank_ones_batched = lambda *a, settle, **kw: seen.append(settle) or ([], 0)
-        ffn.neurons(Q, 8, 12, np.random.default_rng(1), 0.03, True, cols=4)
-        ffn.neurons(Q, 8, 12, np.random.default_rng(1), 1e-6, False, cols=4)
-    finally:
-        ffn.rank_ones_batched = real
-    assert seen == [ffn.COARSE_SETTLE, ffn.SETTLE]
-
-
 def test_value_sum_bad_input():
     from headthief.targets import resolve
     scalar = resolve("random:d=8,seed=1")

@@ -533,28 +533,27 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
     return found, starts
 
 
-SETTLE = 1e-9            # a power iterate has settled when a step moves it less than this times the tolerance
-COARSE_SETTLE = 1e-9     # ...in a span blurred by coarse answers (:func:`neurons`). 1e-6 took 1.6x fewer steps on
-                         # blurred spans of MiniLM's real neurons (d = 128, 512 neurons: every element as close to
-                         # the truth), but at MiniLM's size (minilm-block-hf:layer=2, 2026-12-02) iterates settled
+SETTLE = 1e-9            # a power iterate has settled when a step moves it less than this times the tolerance.
+                         # Tried (2026-12-02) and set back: 1e-6 on spans blurred by coarse answers took 1.6x fewer
+                         # steps on blurred spans of MiniLM's real neurons (d = 128, 512 neurons: every element as
+                         # close to the truth), but at MiniLM's size (minilm-block-hf:layer=2) iterates settled
                          # that loosely passed the distinctness test (overlap < 1 - 1e-6) as copies of one neuron:
                          # 4 pairs above 0.99 (the closest 1 - 2.3e-6), and stage F ended in exit 2 (the normal
-                         # matrix of the neurons' input directions at conditioning 6.8e-13). Back at 1e-9 until
-                         # the distinctness test is tied to the settle threshold
+                         # matrix of the neurons' input directions at conditioning 6.8e-13). A looser threshold
+                         # needs the distinctness test tied to it
 
 
-def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float,
-                settle: float = SETTLE) -> tuple[np.ndarray, np.ndarray]:
+def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float) -> tuple[np.ndarray, np.ndarray]:
     """One step of projected power iteration for rows C, coordinates in span(Q) of d x ``cols`` elements: each
     replaced by the (normalised) coordinates of the span's projection of its nearest rank-one element, and
-    whether it moved less than ``settle tol`` (up to sign). Shared by :func:`rank_ones` and
+    whether it moved less than ``SETTLE tol`` (up to sign). Shared by :func:`rank_ones` and
     :func:`rank_ones_batched`."""
     U, S, Vt = np.linalg.svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
     R = S[:, :1, None] * np.einsum("bi,bj->bij", U[:, :, 0], Vt[:, 0, :])
     Cn = R.reshape(len(C), -1) @ Q
     Cn /= np.linalg.norm(Cn, axis=1, keepdims=True)
     sign = np.sign(np.einsum("bk,bk->b", Cn, C))
-    return Cn, np.linalg.norm(Cn - sign[:, None] * C, axis=1) < settle * tol
+    return Cn, np.linalg.norm(Cn - sign[:, None] * C, axis=1) < SETTLE * tol
 
 
 def _power_settled(Q: np.ndarray, G: np.ndarray, d: int, tol: float, steps: int = 500) -> np.ndarray:
@@ -605,15 +604,14 @@ def polish_rank_one(Q: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.random.Generator, *,
                       max_starts: int | None = None, tol: float = 1e-6, iterations: int = 2000, batch: int = 64,
-                      found_progress=None, settle: float = SETTLE):
+                      found_progress=None):
     """:func:`rank_ones` for d x ``cols`` elements, ``batch`` starts at a time in the span's coordinates
     (one batched SVD and two matrix products per step; a start that settles or runs out of ``iterations``
     is replaced by a fresh one). The same test for rank one and for distinct neurons. Half of the fresh starts
     are drawn off the neurons already found (orthogonal to their coordinates in the span): a neuron whose basin
     is small is then not left to chance (d = 64, ffn = 256, research seed 3: 255 of 256 in 10,440 uniform
     starts, with the span right to 5e-11). ``found_progress``: as for :func:`rank_ones` (at MiniLM's size
-    this search is hours; ``settle``: :data:`SETTLE`, or :data:`COARSE_SETTLE` for a blurred span); one with
-    ``keep(key, state)`` is offered the search's state before every step (``state()`` builds it: the caller
+    this search is hours); one with ``keep(key, state)`` is offered the search's state before every step (``state()`` builds it: the caller
     keeps it when due) and one with ``restore(key)`` gives a kept state back (or None): a search cut between
     two of its checkpoints goes on from the last, as it would have gone on (``key``: :func:`span_key`)."""
     max_starts = max_starts or 40 * count + 200
@@ -660,7 +658,7 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
         if keeper is not None:
             keeper(key, lambda: {"tol": tol, "found": [(u.copy(), v.copy()) for u, v in found], "basis": basis.copy(),
                                "C": C.copy(), "age": age.copy(), "starts": starts, "rng": rng.bit_generator.state})
-        C, settled = _power_step(C, Q, d, cols, tol, settle)
+        C, settled = _power_step(C, Q, d, cols, tol)
         age = age + 1
         done = settled | (age >= iterations)
         for i in np.flatnonzero(done):
@@ -703,8 +701,7 @@ def neurons(Q: np.ndarray, ffn: int, d: int, rng: np.random.Generator, tol: floa
     def search(t):
         if cols is None:
             return rank_ones(Q, ffn, d, rng, tol=t, found_progress=found_progress)
-        return rank_ones_batched(Q, ffn, d, cols, rng, tol=t, found_progress=found_progress,
-                                 settle=COARSE_SETTLE if coarse else SETTLE)
+        return rank_ones_batched(Q, ffn, d, cols, rng, tol=t, found_progress=found_progress)
     if not coarse:
         return search(tol)
     tols = [min(f * tol, 0.3) for f in (1, 3, 10)]
