@@ -117,8 +117,19 @@ def main() -> None:
             if it % 5 == 0 or it == 1:
                 print(f"  span step {it}: residual {res:.3g}, {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
 
+        first = []
+
+        def searched(found, count, starts):             # the neuron search's progress (hours at this size)
+            if not first:
+                first.append(time.perf_counter())
+                print(f"  first neuron found: {(first[0] - t0) / 60:.1f} min", flush=True)
+            if found % 128 == 0 or found == count:
+                print(f"  neurons {found} of {count} in {starts} starts, search {(time.perf_counter() - first[0]) / 60:.1f}"
+                      f" min", flush=True)
+
         try:
-            part = extract_ffn_probes(oracle, ln, vs, rng, ffn=ffn, precision=eps, progress=progress)
+            part = extract_ffn_probes(oracle, ln, vs, rng, ffn=ffn, precision=eps, progress=progress,
+                                      found_progress=searched)
         except HeadthiefError as e:
             print(f"stage F: {type(e).__name__}: {e}")
             sys.exit(1)

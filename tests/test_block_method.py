@@ -418,6 +418,36 @@ def test_a_kept_neuron_search_goes_on_as_the_uninterrupted_one_and_only_in_its_o
     assert wider.states[0][1]["starts"] == 8 and len(wider.states) == len(whole.states)
 
 
+def _coherent_blurred_span(d, cols, m, seed, blur):
+    g = np.random.default_rng(seed)                  # neurons sharing a common part, the span blurred as by
+    bu, bv = g.standard_normal(d), g.standard_normal(cols)    # float32 answers
+    els = [np.outer(bu + 0.6 * g.standard_normal(d), bv + 0.6 * g.standard_normal(cols)).ravel() for _ in range(m)]
+    M = np.stack(els + [g.standard_normal(d * cols)], axis=1)
+    M /= np.linalg.norm(M, axis=0)
+    return np.linalg.qr(M + blur * g.standard_normal(M.shape) / np.sqrt(d * cols))[0]
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_start_is_judged_loosely_but_a_neuron_is_taken_only_tightly_settled(monkeypatch, seed):
+    """On a blurred span (coarse tolerance 0.03) a start that settles loosely (LOOSE, here 1e-2 x tol: very
+    loose) is dropped only as a plain copy or plainly not rank one; a neuron is taken only once it has settled
+    to SETTLE. So the elements are those of a search with every start settled tightly, to rounding, and no two
+    are copies; taking loosely settled elements instead leaves them 7e-5 - 1.3e-4 off (measured on these
+    spans), and at MiniLM's size let four copies of one neuron through as distinct."""
+    from headthief.extraction.block import ffn
+    d, cols, m = 16, 6, 24
+    Q = _coherent_blurred_span(d, cols, m, seed, 1e-3)
+    monkeypatch.setattr(ffn, "LOOSE", ffn.SETTLE)
+    tight, _ = ffn.rank_ones_batched(Q, m, d, cols, np.random.default_rng(seed), tol=0.03, batch=16)
+    monkeypatch.setattr(ffn, "LOOSE", 1e-2)
+    loose, _ = ffn.rank_ones_batched(Q, m, d, cols, np.random.default_rng(seed), tol=0.03, batch=16)
+    assert len(loose) == len(tight) == m
+    for u, v in loose:
+        assert max(abs(u @ a) * abs(v @ b) for a, b in tight) > 1 - 1e-12
+    assert max(abs(loose[i][0] @ loose[j][0]) * abs(loose[i][1] @ loose[j][1])
+               for i in range(m) for j in range(i)) < 1 - 1e-6
+
+
 def test_neurons_go_on_at_the_tolerance_the_kept_search_had_reached(monkeypatch):
     """A search kept at 3x the tolerance (the 1x one had missed) goes on there: the 1x search is not run again."""
     from headthief.extraction.block import ffn

@@ -281,14 +281,14 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     class Cut(Exception):
         pass
 
-    def dies_in_the_search(C, Q, d, cols, tol):
+    def dies_in_the_search(C, Q, d, cols, tol, settle=None):
         steps[0] += 1                                    # killed once a kept state holds two neurons or more
         with sqlite3.connect(journal) as db:
             meta = [r[0] for r in db.execute("SELECT meta FROM checkpoints")]
         if meta and json.loads(meta[0]).get("neurons_found", 0) >= 2:
             kept.extend(meta)
             raise Cut
-        return real(C, Q, d, cols, tol)
+        return real(C, Q, d, cols, tol, settle)
 
     monkeypatch.setattr(resume, "EVERY", 0.0)
     monkeypatch.setattr(ffn, "_power_step", dies_in_the_search)

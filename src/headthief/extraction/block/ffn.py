@@ -533,27 +533,29 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
     return found, starts
 
 
-SETTLE = 1e-9            # a power iterate has settled when a step moves it less than this times the tolerance.
-                         # Tried (2026-12-02) and set back: 1e-6 on spans blurred by coarse answers took 1.6x fewer
-                         # steps on blurred spans of MiniLM's real neurons (d = 128, 512 neurons: every element as
-                         # close to the truth), but at MiniLM's size (minilm-block-hf:layer=2) iterates settled
-                         # that loosely passed the distinctness test (overlap < 1 - 1e-6) as copies of one neuron:
-                         # 4 pairs above 0.99 (the closest 1 - 2.3e-6), and stage F ended in exit 2 (the normal
-                         # matrix of the neurons' input directions at conditioning 6.8e-13). A looser threshold
-                         # needs the distinctness test tied to it
+SETTLE = 1e-9            # a power iterate has settled when a step moves it less than this times the tolerance
+LOOSE = 1e-6             # rank_ones_batched: a start that moves less than this x tol is judged; only one that is
+                         # then plainly a copy of a neuron found (overlap above 1 - 1e-6) or plainly not rank one is
+                         # dropped there, every other goes on to SETTLE, and only such a tightly settled element is
+                         # taken as a neuron. Settled loosely for everything (2026-12-02) the MiniLM search
+                         # (minilm-block-hf:layer=2) took 4 copies of one neuron as distinct (overlap 1 - 2.3e-6
+                         # < 1 - 1e-6) and stage F ended in exit 2; most starts end as such copies, and they are
+                         # the steps this saves
 
 
-def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float) -> tuple[np.ndarray, np.ndarray]:
+def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float,
+                settle: float | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One step of projected power iteration for rows C, coordinates in span(Q) of d x ``cols`` elements: each
     replaced by the (normalised) coordinates of the span's projection of its nearest rank-one element, and
-    whether it moved less than ``SETTLE tol`` (up to sign). Shared by :func:`rank_ones` and
-    :func:`rank_ones_batched`."""
+    whether it moved less than ``settle tol`` (up to sign; ``settle`` one number or one per row, by default
+    :data:`SETTLE`). Shared by :func:`rank_ones` and :func:`rank_ones_batched`."""
+    settle = SETTLE if settle is None else settle
     U, S, Vt = np.linalg.svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
     R = S[:, :1, None] * np.einsum("bi,bj->bij", U[:, :, 0], Vt[:, 0, :])
     Cn = R.reshape(len(C), -1) @ Q
     Cn /= np.linalg.norm(Cn, axis=1, keepdims=True)
     sign = np.sign(np.einsum("bk,bk->b", Cn, C))
-    return Cn, np.linalg.norm(Cn - sign[:, None] * C, axis=1) < SETTLE * tol
+    return Cn, np.linalg.norm(Cn - sign[:, None] * C, axis=1) < settle * tol
 
 
 def _power_settled(Q: np.ndarray, G: np.ndarray, d: int, tol: float, steps: int = 500) -> np.ndarray:
@@ -607,7 +609,10 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
                       found_progress=None):
     """:func:`rank_ones` for d x ``cols`` elements, ``batch`` starts at a time in the span's coordinates
     (one batched SVD and two matrix products per step; a start that settles or runs out of ``iterations``
-    is replaced by a fresh one). The same test for rank one and for distinct neurons. Half of the fresh starts
+    is replaced by a fresh one). The same test for rank one and for distinct neurons, judged in two steps: a
+    start that moves less than ``LOOSE tol`` a step and is then plainly a copy of a neuron found or plainly not
+    rank one is dropped; any other goes on until it moves less than ``SETTLE tol``, and only such an element is
+    taken (most starts end as copies, and their last digits were most of the search). Half of the fresh starts
     are drawn off the neurons already found (orthogonal to their coordinates in the span): a neuron whose basin
     is small is then not left to chance (d = 64, ffn = 256, research seed 3: 255 of 256 in 10,440 uniform
     starts, with the span right to 5e-11). ``found_progress``: as for :func:`rank_ones` (at MiniLM's size
@@ -644,35 +649,52 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     if kept is None:
         C = fresh(min(batch, max_starts))
         age = np.zeros(len(C), dtype=int)
+        tight = np.zeros(len(C), dtype=bool)
         starts = len(C)
     else:
         # the search as it was kept (between two steps): its elements found, their basis, the starts in flight
         # and their ages, the generator's state; it goes on as the uninterrupted search would have
         found = [(np.asarray(u), np.asarray(v)) for u, v in kept["found"]]
-        basis, C, age = (np.array(kept[k]) for k in ("basis", "C", "age"))
+        basis, C, age, tight = (np.array(kept[k]) for k in ("basis", "C", "age", "tight"))
         starts = int(kept["starts"])
         rng.bit_generator.state = kept["rng"]
         if found_progress is not None and found:
             found_progress(len(found), count, starts)
+
+    def closest(u, v):                                   # the largest overlap with a neuron found
+        if not found:
+            return 0.0
+        return float(np.max(np.abs(np.array([a for a, _ in found]) @ u) * np.abs(np.array([b for _, b in found]) @ v)))
+
     while len(C) and len(found) < count:
         if keeper is not None:
             keeper(key, lambda: {"tol": tol, "found": [(u.copy(), v.copy()) for u, v in found], "basis": basis.copy(),
-                               "C": C.copy(), "age": age.copy(), "starts": starts, "rng": rng.bit_generator.state})
-        C, settled = _power_step(C, Q, d, cols, tol)
+                               "C": C.copy(), "age": age.copy(), "tight": tight.copy(), "starts": starts,
+                               "rng": rng.bit_generator.state})
+        C, settled = _power_step(C, Q, d, cols, tol, np.where(tight, SETTLE, LOOSE))
         age = age + 1
         done = settled | (age >= iterations)
         for i in np.flatnonzero(done):
             u_, s_, vt_ = np.linalg.svd((Q @ C[i]).reshape(d, cols), full_matrices=False)
+            final = bool(tight[i]) or age[i] >= iterations
             if s_[1] <= tol * s_[0]:
                 u, v = u_[:, 0], vt_[0]
-                if all(abs(u @ a) * abs(v @ b) < 1 - 1e-6 for a, b in found):
+                near = closest(u, v)
+                if near >= 1 - 1e-6:
+                    continue                             # a copy of a neuron found: dropped, loose or tight
+                if final:
                     found.append((u, v))
                     if found_progress is not None:
                         found_progress(len(found), count, starts)
+                    continue
+            elif final or s_[1] > 2 * tol * s_[0]:
+                continue                                 # not rank one (loosely settled: plainly not)
+            done[i], tight[i] = False, True              # judged on the tightly settled element
         keep = ~done
         room = min(int(done.sum()), max_starts - starts) if len(found) < count else 0
         C = np.concatenate([C[keep], fresh(room)])
         age = np.concatenate([age[keep], np.zeros(room, dtype=int)])
+        tight = np.concatenate([tight[keep], np.zeros(room, dtype=bool)])
         starts += room
     if len(found) < count:
         raise NotIdentifiable(f"found {len(found)} of {count} neurons (rank-one elements of the Jacobian span) in "
