@@ -157,22 +157,29 @@ def test_a_poor_draw_of_stage_a_is_drawn_again(monkeypatch):
     """With float32 answers a block refit R that ends far above the one-token refit's floor (the same answers)
     means stage A's heads were a poor start: stage A is drawn again at fresh base tokens and the better R kept
     (measured on unseen seed 14607: heads' residual 0.14, R stuck at rms 0.22, exit 5; drawn again, exit 0 at
-    fidelity 1.2e-6). Here the first draw's score matrices are spoiled (negated, tripled)."""
+    fidelity 1.2e-6). Here the first draw's score matrices are spoiled (negated, tripled) and its R held to 20
+    iterations (from such a start R at this size now often finds its way within its full run)."""
     import dataclasses
 
     from headthief.extraction.block import extract
     real, calls = extract.extract_heads, []
+    refit, fits = extract.refit_block, []
 
     def poor_first(*args, **kw):
         att = real(*args, **kw)
         calls.append(att)
         return dataclasses.replace(att, W=-3 * att.W, c=-3 * att.c) if len(calls) == 1 else att
 
+    def stuck_first(*args, **kw):
+        fits.append(1)
+        return refit(*args, **({**kw, "max_iter": 20} if len(fits) == 1 else kw))
+
     monkeypatch.setattr(extract, "extract_heads", poor_first)
+    monkeypatch.setattr(extract, "refit_block", stuck_first)
     rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32", "block", verify=64)
     r = rep.row
     assert rep.ok and len(calls) == 2 and r["block_stage_a_tries"] == 2 and r["block_stage_a_retry_queries"] > 0
-    assert r["block_refit_rms_after"] <= extract.RETRY_A * r["one_token_refit_rms_after"]
+    assert r["block_refit_rms_after"] <= extract.RETRY_A * r["one_token_refit_noise"]
     assert max(r[k] for k in ("W_rel_err", "O_rel_err", "c_rel_err", "W1_rel_err")) <= 1e-4
     assert r["queries"] == sum(r[f"queries_stage_{k}"] for k in ("L", "activation", "V", "F", "A", "R"))
 

@@ -62,10 +62,18 @@ from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
 SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
 CHECK_FACTOR = 100     # fresh sequences may be this much worse than the parts' own measured precision
-RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above F+'s in-sample rms...
+RETRY_A = 100         # coarse answers: stage A is drawn again when R ends this far above the answers' floor...
 A_TRIES = 3           # ...at most this many stage A draws in all (their queries count in stage R's)
-AT_FLOOR = 2.0        # R within this factor of F+'s in-sample rms is at the answers' floor (block_refit's floor):
-                      # measured, R ends 1.04 - 1.08x above F+ on float32 blocks (d = 8, 16)
+AT_FLOOR = 2.0        # R within this factor of the answers' floor (_floor) is at it (block_refit's floor): measured,
+                      # R ends 1.04 - 1.08x above a fully fitted F+ on float32 blocks (d = 8, 16), 1.1 - 1.2x above
+                      # the measured noise (d = 16, 32)
+F_TARGET = 10.0       # coarse answers: the one-token refit F+ ends at this x the answers' measured noise (rms): it
+                      # is a start, which R refines to the floor. Measured (float32 bert-block, --stage-f probes,
+                      # F+ cut short by hand): d = 16 seed 59040, F+ at 30 iterations (one-token fidelity 1.7e-4) or
+                      # its full fit: R 800 / 500 iterations to the same rms (1.2x the noise), every part within
+                      # 1.2x; d = 32 seed 59041, F+ at 50 (rms 140x the noise) or 2,000: R 1,500 / 1,000, the same
+                      # parts and fidelity (1.06e-6). On MiniLM block 2 the measured chain that met its line began
+                      # R from F+ at 650 iterations (rms 6.2e-6, 9.5x its one-token noise of 6.5e-7)
 POLISH_ABOVE = 1e-9   # exact answers: a block whose error on stage L's answers is above this (a tenth of the 1e-8
                       # the float64 route claims) is polished by the block refit on fresh sequences (_polish)
 POLISH_ITER = 200     # ...this many L-BFGS iterations at most (measured at d = 16 from the algebra's start, seeds 25322
@@ -430,7 +438,7 @@ def expected_queries(d: int, ffn: int, float32: bool = False, stage_f: str = "au
     if not float32:
         return base + stage_a_planned(d, False)
     return (base + stage_a_planned(d, True) + random_queries(d, ffn)
-            + sum(refit_counts(d, ffn)) + NOISE_SEGMENTS * NOISE_POINTS)      # the check's noise segments
+            + sum(refit_counts(d, ffn)) + 2 * NOISE_SEGMENTS * NOISE_POINTS)  # noise segments: F+'s, the check's
 
 
 def extract_block(oracle: Oracle, *, heads: int | None = None, ffn: int, rng: np.random.Generator | int = 0,
@@ -634,18 +642,25 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                                           "fplus_history": history, "stages": stages, "seconds": seconds},
                             **after_span)
 
+            alts = st["span"].info.get("activation_alternatives") or {}
+            # the answers' own noise first (NOISE_SEGMENTS short segments, as the model check measures it): F+
+            # is the start stage A pulls back through and R refines, and ends at F_TARGET x that noise; R's floor
+            # is then AT_FLOOR x the noise (_floor). Not with --activation auto's candidates, compared by their rms
+            noise_f, _, nq_f = _fit_noise(oracle, np.random.default_rng(int(rng.integers(2 ** 62))), scale)
+            noise_f = max(noise_f, 0.5 * 2.0 ** -24)
             describe("F+ one-token refit")
             ln0, vs0 = ln, vs
             part, ln, vs, refit, ones = refit_from_oracle(oracle, part, ln, vs, rng, scale=scale,
                                                           start=st.get("fplus"), checkpoint=keep_f, device=device,
                                                           progress=fit_progress("F+ one-token refit"),
-                                                          history=st.get("fplus_history"))
+                                                          history=st.get("fplus_history"),
+                                                          target=None if alts else F_TARGET * noise_f)
+            refit.update({"refit_noise": noise_f, "refit_noise_queries": nq_f})
             if "fplus" in st:
                 refit["resumed_from_evaluation"] = st["fplus_calls"]
             # --activation auto: float32 profiles do not separate GELU from its tanh form (measured); every
             # candidate that fitted them nearly as well is refitted to the same one-token answers, the lowest rms
             # kept (a wrong class ends 100x or more above a right one's: the block refit's noise check, measured)
-            alts = st["span"].info.get("activation_alternatives") or {}
             rms = {part.activation: refit["refit_rms_after"]}
             for other, alt in alts.items():
                 describe(f"F+ one-token refit ({other}, --activation auto)")
@@ -654,7 +669,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                 rms[other] = got[3]["refit_rms_after"]
                 if rms[other] < min(v for k, v in rms.items() if k != other):
                     part, ln, vs = got[:3]
-                    refit = {**got[3], "refit_queries": refit["refit_queries"]}
+                    refit = {**got[3], **{k: refit[k] for k in ("refit_queries", "refit_noise", "refit_noise_queries")}}
             if alts:
                 refit["activation_refits"] = ", ".join(f"{k} {v:.2g}" for k, v in rms.items())
         try:
@@ -711,7 +726,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
                 ck.save("R-partial", {**st, "partial": partial, "partial_calls": calls + st.get("partial_calls", 0),
                                       "partial_history": history, "stages": stages, "seconds": seconds}, **after_a)
 
-        floor = float(refit.get("refit_rms_after", np.inf))        # F+'s in-sample rms: the same answers' floor
+        floor = _floor(refit)
         at_floor = AT_FLOOR * floor if np.isfinite(floor) else None
         describe("R block refit")
         block, brefit = refit_block(start, groups, rng=rng, checkpoint=keep, progress=fit_progress("R block refit"),
@@ -727,7 +742,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             # Only while the plan times the draws stays within max_tflop (at MiniLM's size: none)
             tries += 1
             describe(f"stage A again (try {tries}: the block refit stopped at rms "
-                     f"{brefit['block_refit_rms_after']:.2e}, {RETRY_A}x above F+'s {floor:.2e})")
+                     f"{brefit['block_refit_rms_after']:.2e}, {RETRY_A}x above the answers' floor {floor:.2e})")
             att2 = draw_heads()
             block2, brefit2 = refit_block(assemble(ln, vs, part, att2, ln_eps), groups, rng=rng,
                                           progress=fit_progress("R block refit"), device=device, ln_eps=eps_mode,
@@ -934,6 +949,16 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures
         ". " + _how_to_go_on(plan, device))
     exc.result = parts
     return exc
+
+
+def _floor(refit: dict) -> float:
+    """The answers' floor the block refit is judged against (rms relative to the answers'): the noise measured
+    before F+ where F+ ended at its target (F_TARGET x that noise: its own rms then says how far it was let go,
+    not the floor), else F+'s in-sample rms on the same oracle's answers (inf where F+ did not run)."""
+    rms, target = float(refit.get("refit_rms_after", np.inf)), refit.get("refit_target")
+    if target is not None and rms <= float(target) * (1 + 1e-9) and "refit_noise" in refit:
+        return float(refit["refit_noise"])
+    return rms
 
 
 def _fit_noise(oracle: Oracle, seed, scale: float) -> tuple[float, float, int]:

@@ -95,7 +95,7 @@ def signs(rng: np.random.Generator, shape) -> np.ndarray:
 def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: float = GAIN,
                        scale: np.ndarray | None = None, check: int = CHUNK,
                        history: list[float] | None = None,
-                       floor: float | None = None) -> tuple[np.ndarray, float, int, str]:
+                       floor: float | None = None, target: float | None = None) -> tuple[np.ndarray, float, int, str]:
     """L-BFGS on ``fun`` (returns loss and gradient) from ``theta0`` (loss ``L0``) in chunks of CHUNK
     iterations until one leaves the loss above ``gain`` x its start (default: 10% rms) or ``max_iter``
     iterations are spent: ``(theta, loss, iterations, message)``, the best point seen (the start when nothing
@@ -117,7 +117,11 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     ``FLAT_EVERY`` iterations gained less than ``FLAT`` of the loss ends there: at the noise floor the
     iterations left move nothing the answers see (measured on float32 blocks, d = 8 and 16: the fresh-sequence
     fidelity flat from the ~250th iteration on, while the chunks' test ran 500 - 950). Above the floor (a slow
-    valley) only the chunks' test applies."""
+    valley) only the chunks' test applies.
+
+    ``target``: a loss at which the fit has done its part (the one-token refit F+, a start the block refit R
+    refines: ``F_TARGET`` x the answers' measured noise, :mod:`.extract`); the fit ends at the first iteration
+    at or below it."""
     from scipy.optimize import minimize
     seen = [] if history is None else history          # the loss after every iteration so far
     if scale is not None:
@@ -127,7 +131,7 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
             L, G = fun(z / s)
             return L, G / s
         z, L1, iters, message = minimize_in_chunks(scaled, theta0 * s, L0, max_iter, gain, check=check,
-                                                   history=seen, floor=floor)
+                                                   history=seen, floor=floor, target=target)
         return z / s, L1, iters, message
     if not 1 <= int(check) <= CHUNK:
         raise ValueError(f"check must be 1..{CHUNK} iterations, got {check}")
@@ -140,11 +144,14 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
     if done >= max_iter:
         return theta, L1, iters, f"the iteration cap ({max_iter}) was reached before the resume"
 
-    flat = [False]
+    flat, reached = [False], [False]
 
     def stalled(intermediate_result):
         seen.append(float(intermediate_result.fun))
         k = len(seen) - 1
+        if target is not None and seen[k] <= target:
+            reached[0] = True
+            raise StopIteration
         if check < CHUNK and k >= CHUNK and k % check == 0 and seen[k] >= gain * seen[k - CHUNK]:
             raise StopIteration                       # scipy ends the run there, with its current point
         if (floor is not None and k >= FLAT_EVERY and k % FLAT_EVERY == 0 and seen[k] <= floor
@@ -164,6 +171,9 @@ def minimize_in_chunks(fun, theta0: np.ndarray, L0: float, max_iter: int, gain: 
         message = str(sol.message)
         if float(sol.fun) < L1:
             theta, L1 = sol.x, float(sol.fun)
+        if "StopIteration" in message and reached[0]:
+            message = f"reached its target (a loss of {target:.3g})"
+            break
         if "StopIteration" in message and flat[0]:
             message = (f"at the answers' floor, the last {FLAT_EVERY} iterations gained less than {FLAT:g} "
                        "of the loss")

@@ -82,7 +82,8 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
                     max_iter: int = MAX_ITER, progress=None,
                     rng: np.random.Generator | None = None,
                     scaled: bool = True, checkpoint=None, device: str | None = None,
-                    history: list[float] | None = None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
+                    history: list[float] | None = None,
+                    target: float | None = None) -> tuple[FFNPart, OutputLayerNorm, ValueSum, dict]:
     """The parts refitted to the one-token answers ``Y`` (k, d) of tokens ``X`` (k, d) (module docstring):
     ``(part, ln, vs, info)``. L-BFGS runs in coordinates scaled by the Gauss-Newton diagonal
     (:func:`.lbfgs.diagonal_scale`, its random signs from ``rng``; ``None``: a Generator seeded 0;
@@ -93,7 +94,8 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
     ``checkpoint(calls, (part, ln, vs), history)``, if given, gets the parts at the current parameters and the
     loss after every iteration so far every ``CHECKPOINT_EVERY`` evaluations (:mod:`.resume`: a refit cut
     short goes on from them, ``history`` given back: :func:`.lbfgs.minimize_in_chunks`). ``device``: a torch
-    device for the loss and its gradient (:mod:`.torch_losses`; None: numpy)."""
+    device for the loss and its gradient (:mod:`.torch_losses`; None: numpy). ``target``: an rms (relative to
+    the answers' rms) at which the refit ends (:func:`.lbfgs.minimize_in_chunks`; info ``refit_target``)."""
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
     d, f = X.shape[1], part.W1m.shape[0]
@@ -123,8 +125,9 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
             checkpoint(calls[0], _parts(unpack(th, shapes(d, f)), part, ln, vs), list(seen))
         return L, G
 
+    at = None if target is None else 0.5 * Y.size * (float(target) * rms) ** 2      # the target as a loss
     theta, L1, iters, message = minimize_in_chunks(fun, theta0, L0, max_iter, scale=scale, check=CHECK,
-                                                   history=seen)
+                                                   history=seen, target=at)
     L0 = seen[0]                                       # the fit's own start (before a resume, if any)
     before = float(np.sqrt(2 * L0 / Y.size) / rms)
     after = float(np.sqrt(2 * L1 / Y.size) / rms)
@@ -133,7 +136,8 @@ def refit_one_token(part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, X: np.ndar
                                f"{after:.3g}; L-BFGS: {message})")
     new_part, new_ln, new_vs = _parts(unpack(theta, shapes(d, f)), part, ln, vs)
     info = {"refit_rms_before": before, "refit_rms_after": after, "refit_iterations": iters,
-            "refit_answers": int(len(X)), "refit_message": message}
+            "refit_answers": int(len(X)), "refit_message": message,
+            **({} if target is None else {"refit_target": float(target)})}
     return new_part, new_ln, new_vs, info
 
 
@@ -161,7 +165,8 @@ def random_answers(oracle, rng: np.random.Generator, *, scale: float, ffn: int) 
 
 def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.Generator, *,
                       scale: float, progress=None, max_iter: int = MAX_ITER, scaled: bool = True, start=None,
-                      checkpoint=None, device: str | None = None, history: list[float] | None = None):
+                      checkpoint=None, device: str | None = None, history: list[float] | None = None,
+                      target: float | None = None):
     """Send :func:`random_queries` one-token queries of random tokens (norms ``U(0.5, 1.5) scale``, within
     the input-norm bound when there is one) and :func:`refit_one_token` the parts to their answers. Returns
     ``(part, ln, vs, info, (X, Y))`` with ``info["refit_queries"]`` and the tokens and
@@ -169,13 +174,14 @@ def refit_from_oracle(oracle, part: FFNPart, ln: OutputLayerNorm, vs: ValueSum, 
     small neighbourhoods of its T points (measured at d = 16, float32: adding its 9,405 answers to 3,000
     random ones gave one-token fidelity 1.0e-5 in 272 s; the random ones alone 6.8e-7 in 42 s).
     ``start``: ``(part, ln, vs)`` to refit from instead of the given parts (a refit cut short,
-    :mod:`.resume`) with ``history``, the cut fit's losses; ``checkpoint``, ``device``: :func:`refit_one_token`'s."""
+    :mod:`.resume`) with ``history``, the cut fit's losses; ``checkpoint``, ``device``, ``target``:
+    :func:`refit_one_token`'s."""
     Xr, Yr = random_answers(oracle, rng, scale=scale, ffn=part.W1m.shape[0])
     k = len(Xr)
     part, ln, vs = (part, ln, vs) if start is None else start
     new_part, new_ln, new_vs, info = refit_one_token(part, ln, vs, Xr, Yr, progress=progress, rng=rng,
                                                      max_iter=max_iter, scaled=scaled, checkpoint=checkpoint,
-                                                     device=device, history=history)
+                                                     device=device, history=history, target=target)
     return new_part, new_ln, new_vs, {**info, "refit_queries": int(k)}, (Xr, Yr)
 
 
