@@ -609,8 +609,9 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
                       found_progress=None):
     """:func:`rank_ones` for d x ``cols`` elements, ``batch`` starts at a time in the span's coordinates
     (one batched SVD and two matrix products per step; a start that settles or runs out of ``iterations``
-    is replaced by a fresh one). The same test for rank one and for distinct neurons, judged in two steps: a
-    start that moves less than ``LOOSE tol`` a step and is then plainly a copy of a neuron found or plainly not
+    is replaced by a fresh one). The same test for rank one as there; distinct neurons and both judged in two steps: a
+    start that moves less than ``LOOSE tol`` a step and is then plainly a copy of a neuron found (overlap above
+    ``1 - max(1e-6, tol^2)``: the span's blur, the same test for every start) or plainly not
     rank one is dropped; any other goes on until it moves less than ``SETTLE tol``, and only such an element is
     taken (most starts end as copies, and their last digits were most of the search). Half of the fresh starts
     are drawn off the neurons already found (orthogonal to their coordinates in the span): a neuron whose basin
@@ -661,6 +662,12 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
         if found_progress is not None and found:
             found_progress(len(found), count, starts)
 
+    # two elements are one neuron where their overlap is within the span's blur of 1: elements of a span blurred
+    # at tol lie ~tol from their neuron, an overlap ~tol^2 below 1 (MiniLM block 2, tol 0.033: a start that ran
+    # to the iteration cap was taken beside its neuron at row cosine 0.99998, and the algebra failed, one-token
+    # fidelity 2.5; distinct neurons there overlap at most 0.77)
+    same = 1 - max(1e-6, tol * tol)
+
     def closest(u, v):                                   # the largest overlap with a neuron found
         if not found:
             return 0.0
@@ -680,7 +687,7 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
             if s_[1] <= tol * s_[0]:
                 u, v = u_[:, 0], vt_[0]
                 near = closest(u, v)
-                if near >= 1 - 1e-6:
+                if near >= same:
                     continue                             # a copy of a neuron found: dropped, loose or tight
                 if final:
                     found.append((u, v))
