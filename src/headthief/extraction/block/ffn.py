@@ -668,10 +668,11 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
     # fidelity 2.5; distinct neurons there overlap at most 0.77)
     same = 1 - max(1e-6, tol * tol)
 
+    fu = np.array([u for u, _ in found]).reshape(len(found), d)     # the neurons found, stacked (grown with found)
+    fv = np.array([v for _, v in found]).reshape(len(found), cols)
+
     def closest(u, v):                                   # the largest overlap with a neuron found
-        if not found:
-            return 0.0
-        return float(np.max(np.abs(np.array([a for a, _ in found]) @ u) * np.abs(np.array([b for _, b in found]) @ v)))
+        return float(np.max(np.abs(fu @ u) * np.abs(fv @ v))) if len(fu) else 0.0
 
     while len(C) and len(found) < count:
         if keeper is not None:
@@ -691,6 +692,7 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
                     continue                             # a copy of a neuron found: dropped, loose or tight
                 if final:
                     found.append((u, v))
+                    fu, fv = np.vstack([fu, u[None]]), np.vstack([fv, v[None]])
                     if found_progress is not None:
                         found_progress(len(found), count, starts)
                     continue
