@@ -6,6 +6,8 @@ algebra's own precision); ``float32`` is the block as the model runs it.
     .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float64
     .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --save f32.pkl
     .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --load f32.pkl --refit-iterations 300
+    .venv/bin/python benchmarks/bench_minilm_stage_f.py --layer 2 --dtype float32 --load f32.pkl \
+        --refit-iterations 4500 --target        # F+ as --method block runs it: ends at 10x the answers' noise
 
 ``--save`` keeps the parts stages L, V and F recovered (with ``--refit-iterations``: the refitted ones);
 ``--load`` starts from them, and ``--refit-iterations N`` then runs the one-token refit (F+,
@@ -38,6 +40,7 @@ import numpy as np
 
 from headthief.errors import HeadthiefError
 from headthief.extraction.block import check_one_token, extract_ffn_probes, fit_output_layernorm, value_sum
+from headthief.extraction.block.extract import F_TARGET, _fit_noise
 from headthief.extraction.block.one_token_refit import refit_from_oracle
 from headthief.models.bert_block import from_minilm
 from headthief.oracles.base import ModelOracle
@@ -88,6 +91,9 @@ def main() -> None:
     ap.add_argument("--load", default=None, help="start from parts --save wrote (stages L, V, F not run again)")
     ap.add_argument("--refit-iterations", type=int, default=0,
                     help="then run the one-token refit (F+) for at most this many L-BFGS iterations and report again")
+    ap.add_argument("--target", action="store_true",
+                    help="end F+ at the method's target (extract.F_TARGET x the answers' noise, measured first on "
+                         "72 queries as --method block does) instead of running all --refit-iterations")
     ap.add_argument("--plain", action="store_true",
                     help="the refit in the parameters themselves (not scaled by the Gauss-Newton diagonal)")
     args = ap.parse_args()
@@ -148,9 +154,15 @@ def main() -> None:
             print(f"  F+ evaluation {calls}: rms {rms:.3e}, {(time.perf_counter() - t1) / 60:.1f} min", flush=True)
 
         q0 = oracle.queries
+        target = None
+        if args.target:                                # as --method block measures it before F+
+            noise, _, nq = _fit_noise(oracle, np.random.default_rng(int(rng.integers(2 ** 62))), float(np.sqrt(d)))
+            noise = max(noise, 0.5 * 2.0 ** -24)
+            target = F_TARGET * noise
+            print(f"  the answers' noise {noise:.3g} ({nq} queries): F+ ends at rms {target:.3g}", flush=True)
         part, ln, vs, info, _ = refit_from_oracle(oracle, part, ln, vs, rng, scale=float(np.sqrt(d)),
                                                   progress=refit_progress, max_iter=args.refit_iterations,
-                                                  scaled=not args.plain)
+                                                  scaled=not args.plain, target=target)
         print(f"F+ ({'plain' if args.plain else 'scaled'} coordinates): {info['refit_iterations']} iterations, "
               f"rms {info['refit_rms_before']:.3e} -> "
               f"{info['refit_rms_after']:.3e}, {oracle.queries - q0} queries, "

@@ -140,6 +140,35 @@ def test_method_block_with_float32_answers():
     assert mc["verify_queries"] == 64 + 72 and mc["noise"] is not None and "x the answers' own noise" in mc["detail"]
 
 
+def test_the_model_check_reads_the_refitted_blocks_one_token_map_on_stage_fs_check_tokens(monkeypatch):
+    """F+ may stop at F_TARGET x the answers' noise; the block refit R then refines the one-token map further.
+    The model check's parts' precision is the final block's one-token fidelity, read on the 64 fresh tokens of
+    stage F's check (fitted by neither refit) at no extra query, not F+'s."""
+    from headthief.extraction.block import extract as ex
+    real, calls = ex.check_one_token, []
+
+    def kept(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(out)
+        return out
+    monkeypatch.setattr(ex, "check_one_token", kept)
+    rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32", "block", verify=64)
+    r, mc = rep.row, rep.row["model_check"]
+    assert rep.ok and mc["verdict"] == "pass" and len(calls) == 1
+    X, Y = calls[0]["tokens"], calls[0]["answers"]
+    block = rep.result.block
+    want = float(np.max(np.abs(block.forward(X[:, None, :]).reshape(Y.shape) - Y)) / np.sqrt(np.mean(Y ** 2)))
+    assert r["one_token_fidelity_final"] == pytest.approx(want, rel=1e-12)
+    assert r["one_token_fidelity"] == calls[0]["fidelity"]
+    # the threshold from the final map's figure (R goes below F+'s target; F+'s map is the looser one)
+    assert r["one_token_fidelity_final"] < r["one_token_fidelity"]
+    parts = ex.parts_precision(r["one_token_fidelity_final"], 0.0, r["answer_precision"])
+    assert mc["threshold"] == pytest.approx(ex.CHECK_FACTOR * max(r["insample_rel_err"], parts), rel=1e-12)
+    assert "the refitted block's one-token fidelity" in mc["detail"]
+    # no query for it: the run's count is the plan's, stage by stage
+    assert r["queries"] == sum(r[f"queries_stage_{k}"] for k in ("L", "activation", "V", "F", "A", "R"))
+
+
 def test_gelu_tanh_where_exact_gelu_is_assumed_ends_in_exit_5_in_float32():
     """GELU's tanh approximation (GPT-2's, transformers' ``gelu_new``) is within ~3e-4 of exact GELU, which the
     refits absorb into every parameter until the fidelity (2e-4 - 4e-4 here, against ~1e-6 for a float32 GELU

@@ -780,6 +780,9 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
         return float(np.max(np.abs(np.asarray(b.forward(X_ln)).reshape(-1, d) - Y)) / np.sqrt(np.mean(Y ** 2)))
 
     insample = on_stage_l(block)
+    # coarse answers: the one-token map R left, judged on stage F's check tokens (fitted by neither refit) at no
+    # query; the model check's parts' precision is then this map's, not F+'s (which may end at F_TARGET x the noise)
+    final_one = one_token_fidelity(block, one) if coarse else None
     polish = dict(st.get("polish", {}))       # a run resumed after its polish: its figures, and its block below
     if not coarse and ck.to_run("R", done) and insample > POLISH_ABOVE:
         # only a block the model check would take as of this class (its error on stage L's answers within
@@ -810,6 +813,7 @@ def _extract_block(oracle: Oracle, *, heads: int | None, ffn: int, rng: np.rando
             **({"ln_eps_auto_start": ln_eps, "ln_eps_auto": st.get("ln_eps_auto")} if auto else {}),
             "activation_fits": part.info.get("activation_fits"),
             "one_token_fidelity": one["fidelity"], "ffn_span_iterations": part.info.get("span_iterations"),
+            **({} if final_one is None else {"one_token_fidelity_final": final_one}),
             "stage_f_route": "probes" if "probes" in part.info else "full", "stage_f_probes": part.info.get("probes"),
             "stage_f_reads": 1 + len(part.info.get("retried", [])),
             "stage_f_missed": "; ".join(part.info.get("retried", [])) or None,
@@ -951,6 +955,17 @@ def _stopped_after_v(ln, vs, ratio, plan, max_tflop, oracle, before, t0, figures
     return exc
 
 
+def one_token_fidelity(block, one: dict) -> float | None:
+    """The block's largest error on the one-token check's fresh tokens (:func:`.ffn.check_one_token`'s
+    ``tokens`` and ``answers``, fitted by no refit) over those answers' rms; None where the check kept no
+    tokens (a checkpoint written before it did)."""
+    if "tokens" not in one:
+        return None
+    X, Y = np.asarray(one["tokens"]), np.asarray(one["answers"])
+    got = np.asarray(block.forward(X[:, None, :])).reshape(Y.shape)
+    return float(np.max(np.abs(got - Y)) / np.sqrt(np.mean(Y ** 2)))
+
+
 def _floor(refit: dict) -> float:
     """The answers' floor the block refit is judged against (rms relative to the answers'): the noise measured
     before F+ where F+ ended at its target (F_TARGET x that noise: its own rms then says how far it was let go,
@@ -991,7 +1006,9 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
     # (only a block already within that rule before it is polished: _extract_block)
     heads = 0.0 if coarse else float(res.diagnostics["block_polish_insample_after"] if res.diagnostics.get(
         "block_polish_kept") else res.diagnostics["heads_residual"])
-    parts = parts_precision(float(res.diagnostics["one_token_fidelity"]), heads, eps)
+    # coarse answers: the final block's own one-token map (R's), on the check's fresh tokens, where it was read
+    final = res.diagnostics.get("one_token_fidelity_final")
+    parts = parts_precision(float(res.diagnostics["one_token_fidelity"] if final is None else final), heads, eps)
     noise = fit = sigma = None
     nq = 0
     if coarse and n > 0:
@@ -1008,11 +1025,13 @@ def _verdict(res: BlockExtraction, oracle: Oracle, insample: float, eps: float, 
         noise = max(noise, 0.5 * 2.0 ** -24)
         fit = float(res.diagnostics["block_refit_rms_after"])
 
+    which = "the refitted block's " if final is not None else ""
+
     def judge(f):
         threshold = CHECK_FACTOR * max(insample, parts)
         detail = (f"fidelity {f.max_rel_err:.3g} on {n} fresh sequences of 1 to 16 tokens (every position); "
                   f"threshold {threshold:.3g}: {CHECK_FACTOR}x the larger of the error on stage L's answers "
-                  f"({insample:.3g}) and the parts' own precision ({parts:.3g}: one-token fidelity, the heads' "
+                  f"({insample:.3g}) and the parts' own precision ({parts:.3g}: {which}one-token fidelity, the heads' "
                   f"residual, 30x the answers' precision {eps:.2g})" + (
                       "" if insample <= CHECK_FACTOR * parts else
                       f"; the error on stage L's answers is itself above {CHECK_FACTOR}x the parts'"))

@@ -1119,7 +1119,9 @@ def check_one_token(oracle: Oracle, part: FFNPart, ln: OutputLayerNorm, vs: Valu
                     count: int = 64, precision: float = 1e-15, scale: float | None = None) -> dict:
     """Stages L, V, F's model check: ``count`` fresh one-token queries against :func:`predict_one_token`.
     The fidelity (largest error over the answers' rms) must be within ``CHECK_FACTOR`` times the five-point
-    stencil's expected error (``eps^0.8 sqrt(d)``, the Jacobians' precision), else :class:`ModelMismatch`."""
+    stencil's expected error (``eps^0.8 sqrt(d)``, the Jacobians' precision), else :class:`ModelMismatch`.
+    Returns the fidelity, the threshold, the queries and the ``tokens`` and ``answers`` (fitted by nothing: a
+    later map of the same block is judged on them again at no query, :func:`.extract.one_token_fidelity`)."""
     d = oracle.d
     s = float(np.sqrt(d)) if scale is None else float(scale)
     X = rng.standard_normal((count, d))
@@ -1131,4 +1133,4 @@ def check_one_token(oracle: Oracle, part: FFNPart, ln: OutputLayerNorm, vs: Valu
         raise ModelMismatch(f"the recovered LN1 + FFN + LN2 answer fresh one-token queries with fidelity {fid:.3g} > "
                             f"{limit:.2g} ({CHECK_FACTOR}x the Jacobians' precision): not a post-LN {part.activation} "
                             "block of this width", check="one-token fidelity", figure=fid, threshold=limit)
-    return {"fidelity": fid, "threshold": limit, "queries": count}
+    return {"fidelity": fid, "threshold": limit, "queries": count, "tokens": X, "answers": Y}
