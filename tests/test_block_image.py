@@ -93,10 +93,54 @@ def test_the_guard_and_bad_input():
     with pytest.raises(SpecError, match="needs vector answers"):
         value_sum_on_image(resolve("random:d=12,seed=1").make_oracle(), image, np.random.default_rng(0),
                            precision=1e-15)
+    from headthief.extraction.block.on_image import extract_block_on_image
     big = ModelOracle(random_block(96, 4, 8, seed=8))
-    with pytest.raises(SpecError, match="d = 96 is not built"):
-        value_sum_on_image(big, random_image(96, 8), np.random.default_rng(0), precision=1e-15)
+    with pytest.raises(SpecError, match="d = 96 is not built"):         # the image route's blocks: to d <= 88
+        extract_block_on_image(big, random_image(96, 8), heads=4, ffn=8, rng=0)
     assert big.queries == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_value_sum_on_the_image_past_the_dense_fit_is_alternating_least_squares(dtype):
+    """d = 96: (d - 1)^2 + (d - 1) + 3 (d - 2) = 9,402 unknowns, past the dense fit's 8,192. Stage V on the image
+    solves the same equations by alternating least squares: exact in float64, within the stencil's error
+    (times B's conditioning) in float32."""
+    d = 96
+    block = random_block(d, 4, 2 * d, seed=8, dtype=dtype)
+    image = random_image(d, 8)
+    inner = ModelOracle(block)
+    eps = 1e-15 if dtype is np.float64 else float(np.finfo(np.float32).eps) / 2
+    ivs = value_sum_on_image(ImageGuard(inner, image), image, np.random.default_rng(8), precision=eps)
+    K, c = _truth(block.astype(np.float64), image)
+    bound = 1e-9 if dtype is np.float64 else 100 * ivs.expected / ivs.conditioning
+    assert np.max(np.abs(ivs.K - K)) <= bound * np.max(np.abs(K))
+    assert np.max(np.abs(ivs.c - c)) <= 10 * bound * np.max(np.abs(K))
+    assert ivs.queries == inner.queries == 3 * 4 * (d - 2) * 2
+    assert 1 < ivs.iterations < 3000 and ivs.residual <= (1e-9 if dtype is np.float64 else 1e3 * ivs.expected)
+
+
+def test_alternating_least_squares_and_the_dense_fit_agree():
+    """At d = 12 both solvers of stage V on the image, from the same answers: the same K and c (the ALS on the
+    tangents orthonormalised; its equations weigh the radial ones by 1 / |n|, exact data satisfy both)."""
+    from headthief.extraction.block import value_sum_image as vsi
+    block, image = random_block(D, H, FFN, seed=5), random_image(D, 5)
+    rng = np.random.default_rng(5)
+    oracle = ImageGuard(ModelOracle(block), image)
+    data = []
+    for n in image.points(rng, 3):
+        T = image.tangent(n, rng)
+        Y, Z, _ = vsi._jacobians(oracle, image, n, T, 1e-3)
+        M = rng.standard_normal((D - 2, D - 2))              # the same Jacobians along another basis of the tangent
+        data.append((n, T @ M, np.linalg.lstsq(Z @ M, Y @ M, rcond=None)[0]))
+    dense = vsi.solve_bases(image, data, expected=1e-12, conditioning=1.0, step=1e-3, queries=0)
+    fit = vsi._Fit(image, vsi.orthonormal_tangents(image, data))
+    Qm = fit.Qm
+    A, a, _, sweeps, settled = fit.solve_als(Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta)
+    K, c = _truth(block, image)
+    assert settled and sweeps < 3000
+    assert np.max(np.abs(centre(Qm @ A @ Qm.T) - dense.K)) <= 1e-9 * np.max(np.abs(K))
+    assert np.max(np.abs(centre(Qm @ a) - dense.c)) <= 1e-9 * np.max(np.abs(K))
+    assert np.max(np.abs(dense.K - K)) <= 1e-9 * np.max(np.abs(K))
 
 
 # ----------------------------------------------------------------------------- the whole block on the image

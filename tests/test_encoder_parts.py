@@ -53,8 +53,8 @@ def test_a_parts_run_is_journaled_and_replays(tmp_path, capsys):
 
 
 def test_an_encoder_wider_than_the_dense_stage_v_gives_what_it_can(capsys):
-    """d = 96 with every layer's states: LN_emb, the offsets and every output LayerNorm (exact algebra), the
-    check passed, then exit 2 naming the stage that is not built."""
+    """d = 96 with every layer's states: LN_emb, the offsets, every output LayerNorm (exact algebra) and block 0's
+    stage V on LN_emb's image, the check passed, then exit 2 naming the stage that is not built."""
     code = main(["extract", "--target", "bert-encoder:d=96,heads=2,ffn=8,layers=1,seed=2,positions=4", "--method", "encoder",
                  "--verify", "8", "--json"])
     row = json.loads(capsys.readouterr().out)
@@ -62,6 +62,11 @@ def test_an_encoder_wider_than_the_dense_stage_v_gives_what_it_can(capsys):
     assert row["ln_emb_gamma_rel_err"] <= 1e-9 and row["offsets_rel_err"] <= 1e-9
     assert row["ln_out_gamma_rel_err"] <= 1e-9 and row["ln_out_beta_rel_err"] <= 1e-9
     assert row["layers_seen"] == 1 and row["queries_sent"] == row["queries"] + 4 * 8
+    # block 0's stage V on LN_emb's image, past the dense fit by alternating least squares: P B G_emb and c exact
+    assert row["block0_value_sum"] == "read" and "block 0's stage V on LN_emb's image" in row["error"]
+    assert row["block0_K_rel_err"] <= 1e-9 and row["block0_c_rel_err"] <= 1e-8
+    # 3 bases, each: the tangent moves (the base and its stencil) and both pair stencils
+    assert row["block0_value_sum_queries"] == 3 * ((4 * (96 - 2) + 1) + 2 * 4 * (96 - 2))
 
 
 def test_a_block_is_not_an_encoder_behind_a_layernorm():

@@ -55,7 +55,7 @@ from .layernorm import OutputLayerNorm, check_on_ellipsoid, constant_coordinates
 from .on_image import answer_precision
 from .smoothness import THRESHOLD as SMOOTH
 from .smoothness import check_smooth_activation
-from .value_sum import NEWTON, SCALES  # the scalings of token t about its offset, Newton's steps
+from .value_sum import NEWTON, SCALES, centre  # the scalings of token t about its offset, Newton's steps
 
 BASES = 2                # base sequences per position: the Jacobians' stacked null-space equations (2 fix c; a
                          # third cost 2 d queries a position for nothing: all-MiniLM-L6-v2 seed 0, hidden=last,
@@ -248,6 +248,7 @@ class EncoderParts:
     diagnostics: dict = field(default_factory=dict)
     check: Any = None
     method: str = "encoder (parts)"
+    block0: Any = None       # block 0's stage V on LN_emb's image (hidden=all; :class:`.value_sum_image.ImageValueSum`)
 
     @property
     def d(self) -> int:
@@ -278,6 +279,15 @@ class EncoderParts:
                 # over the largest |beta| (MiniLM's are 1e-32 and -8.7e-8: a relative error would be noise)
                 c_err = max(c_err or 0.0, float(np.max(np.abs(r.constant_value - b[r.constant])) / np.max(np.abs(b))))
         out["ln_out_gamma_rel_err"], out["ln_out_beta_rel_err"] = g_err, b_err
+        if self.block0 is not None:         # K = P B G on mean-zero n, c = P (B beta + b), over max |K| (value_sum_image)
+            tb = truth.blocks[0].astype(np.float64)
+            B, b = tb.value_output_sum()
+            d = B.shape[0]
+            G, beta = np.asarray(truth.ln_gamma, np.float64), np.asarray(truth.ln_beta, np.float64)
+            K, c = centre(B @ np.diag(G) @ (np.eye(d) - 1.0 / d)), centre(B @ beta + b)
+            scale = float(np.max(np.abs(K)))
+            out["block0_K_rel_err"] = float(np.max(np.abs(self.block0.K - K))) / scale
+            out["block0_c_rel_err"] = float(np.max(np.abs(self.block0.c - c))) / scale
         if c_err is not None:
             out["ln_out_constant_err"] = c_err
         out["worst_rel_err"] = max(v for v in out.values() if v is not None)
@@ -353,6 +363,9 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
                  "offsets_residual_all_tokens": scaled, "equivariance_in_sample": in_sample,
                  "equivariance_in_sample_median": in_median,
                  "offsets_condition": so.condition, "offsets_floor": floor})
+    block0 = None
+    if hidden == "all" and emb is not None:
+        block0 = _block0_value_sum(oracle, emb, L, rng, eps, diag)
     if progress is not None:
         progress(1)
     # the activation's class is reported, not a gate: no block is recovered, and the real all-MiniLM-L6-v2 has
@@ -370,7 +383,8 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
                  or None})
     res = EncoderParts(hidden=hidden, offsets=offsets, ln_emb=None if emb is None else emb.ln, output_lns=lns,
                        layers_seen=seen, activation_ratio=ratio, not_recovered=reason,
-                       queries=int(oracle.queries - q0), seconds=time.perf_counter() - t0, diagnostics=diag)
+                       queries=int(oracle.queries - q0), seconds=time.perf_counter() - t0, diagnostics=diag,
+                       block0=block0)
     if not check:
         return _with(res, ModelCheck("unchecked", MODEL, detail="the model check was skipped"), t0)
     crng = rng if check_rng is None else np.random.default_rng(check_rng)
@@ -403,6 +417,29 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     return _with(res, mc, t0)
 
 
+def _block0_value_sum(oracle: Oracle, emb: Embeddings, layers: int, rng: np.random.Generator, eps: float,
+                      diag: dict):
+    """Block 0's stage V on LN_emb's image from forward paths (:func:`.encoder._value_sum`; past d = 88 by
+    alternating least squares): ``K = P B G_emb`` and ``c``, or None with the reason in ``diag``. A read refused
+    (a pair Jacobian too poorly conditioned for the answers' precision, or a fit that did not settle) is said,
+    not raised: the run ends in exit 2 either way, with the other parts. A fit that settles far from any one B
+    on every try is the wrong model class (exit 5), as on the encoder route."""
+    from ...errors import ConvergenceError
+    from .encoder import _Paths, _value_sum
+    from .value_sum_image import retrying
+    paths = _Paths(oracle, emb, layers)
+    q = oracle.queries
+    try:
+        ivs = retrying(lambda: _value_sum(paths, 0, paths.image, rng, eps), settled_mismatch=True)
+    except (ConvergenceError, NotIdentifiable) as e:
+        diag.update({"block0_value_sum": f"not read: {e}", "block0_value_sum_queries": int(oracle.queries - q)})
+        return None
+    diag.update({"block0_value_sum": "read", "block0_value_sum_queries": int(oracle.queries - q),
+                 "block0_value_sum_residual": ivs.residual, "block0_value_sum_expected": ivs.expected,
+                 "block0_value_sum_conditioning": ivs.conditioning, "block0_value_sum_iterations": ivs.iterations})
+    return ivs
+
+
 def _with(res: EncoderParts, mc, t0: float) -> EncoderParts:
     import dataclasses
     return dataclasses.replace(res, check=mc, seconds=time.perf_counter() - t0)
@@ -422,6 +459,11 @@ def not_recovered(parts: EncoderParts) -> NotIdentifiable:
     act = (f"activation smooth (4th-difference ratio {r:.1f})" if r >= SMOOTH else
            f"activation not shown smooth (4th-difference ratio {r:.1f} < {SMOOTH:.2f}: kinks, or sharp features at "
            "the answers' precision)")
+    if parts.block0 is not None:
+        lns += (f", block 0's stage V on LN_emb's image (P B G_emb and P (B beta_emb + b), relative residual "
+                f"{parts.block0.residual:.2g})")
+    elif str(parts.diagnostics.get("block0_value_sum", "")).startswith("not read"):
+        lns += f" (block 0's stage V {parts.diagnostics['block0_value_sum']})"
     mc = parts.check
     checked = f"; model check {mc.verdict}" + (f" ({mc.figure:.3g} <= {mc.threshold:.3g})" if mc.verdict == "pass" else "")
     exc = NotIdentifiable(f"hidden={parts.hidden}: recovered {got} of positions 0..{parts.offsets.shape[0] - 1} and "

@@ -55,7 +55,7 @@ from .image import LayerNormImage
 from .layernorm import check_on_ellipsoid, fit_output_layernorm
 from .smoothness import check_smooth_activation
 from .value_sum import COARSE, ValueSum, with_map
-from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
+from .value_sum_image import ImageValueSum, dense_stage_v, retrying, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
@@ -147,6 +147,9 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                         "--method encoder (stage E); on a LayerNorm's image the fits hold the eps: give its value")
     d = oracle.d
     check_span_fits(d, int(ffn))                  # before the first query
+    too_large = dense_stage_v(d)
+    if too_large:
+        raise SpecError(too_large)
     t0 = time.perf_counter()
     before = counters(oracle)
     stages: dict[str, Any] = {}
