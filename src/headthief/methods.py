@@ -486,7 +486,8 @@ METHODS["encoder"] = Method(
     "float32; d <= 88): the embeddings' LayerNorm and position offsets, then each block from forward paths (its "
     "inputs observed, never inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's "
     "image (--heads, --ffn). With hidden=last, or d > 88: what the API gives away without a block taken apart "
-    "(the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check), exit 2")
+    "(the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check; past d = 88 "
+    "with every layer's states also block 0's stage V), exit 2")
 
 
 def _run_rope(oracle, target, args, progress, clean=None):

@@ -31,8 +31,9 @@ fresh heads start (``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTO
 passing try kept; a best try still above it goes on fitting at 1% a chunk for at most ``POLISH`` iterations,
 and if it stays above it the run ends in :class:`ConvergenceError`: not at the method's precision); a model
 that is not this class fails every try.
-Stage V's joint fit is dense: d > 88 is refused before the first query (``--method encoder`` then reads the
-parts of :mod:`.encoder_parts` instead: LN_emb, the offsets, every layer's output LayerNorm; exit 2).
+The blocks on an image are built to d <= 88 (:func:`.value_sum_image.dense_stage_v`; stage F there reads full
+tangent Jacobians): d > 88 is refused before the first query (``--method encoder`` then reads the parts of
+:mod:`.encoder_parts` instead: LN_emb, the offsets, every layer's output LayerNorm and block 0's stage V; exit 2).
 """
 
 from __future__ import annotations
