@@ -17,7 +17,8 @@ are bilinear in (``B G``, ``c = B beta_p + b``) and ``zeta``. They are solved jo
 from the start ``B = I, b = 0`` (the residual alone); measured to reach the truth from there on random
 blocks (``benchmarks/bench_block_image.py``). Past d = 88 (a dense normal matrix of more than
 :data:`MAX_UNKNOWNS` unknowns) by alternating least squares instead (:meth:`_Fit.solve_als`: each half in
-closed form, O(bases d^3) a sweep): the same answers to 1e-11 at d = 12 - 64, and at d = 384 in 91 sweeps. What is recovered: ``K = P B G`` on mean-zero n (B's action on
+closed form, O(bases d^3) a sweep): the same answers to 1e-11 at d = 12 - 64, and at d = 384 in 91 sweeps.
+What is recovered: ``K = P B G`` on mean-zero n (B's action on
 the image's directions; ``B gamma_p``, the column along gamma_p, never shows: a genuine symmetry here) and
 ``P c``, exact up to the stencils' truncation and the answers' rounding. The fit's residual relative to
 the stencil's error is the model check (two blocks given as one leave equations no single B satisfies).
@@ -186,9 +187,9 @@ class _Fit:
                 c += float(np.sum((W @ A @ Kp - C) ** 2) + np.sum((W @ (A @ nu + a)) ** 2) / s2)
             return c
 
-        prev = cost(A, a, zetas(A, a))
+        zs = zetas(A, a)
+        prev = cost(A, a, zs)
         for it in range(1, max_iter + 1):
-            zs = zetas(A, a)
             Ws = [E1 + np.outer(z, e2) for (E1, e2, *_), z in zip(parts, zs)]
             S = [W.T @ W for W in Ws]
             H = sum(S)
@@ -204,10 +205,11 @@ class _Fit:
             w = np.linalg.solve(M, rhs)
             a2 = -H2i @ w
             A2 = Hi_G0 - sum(np.outer(Hs @ a2, qp[4]) / qp[5] for Hs, qp in zip(Hi_S, parts))
-            c = cost(A2, a2, zetas(A2, a2))
+            z2 = zetas(A2, a2)                                       # the next sweep's zetas
+            c = cost(A2, a2, z2)
             if not np.isfinite(c) or c > prev * (1 + 1e-9) + 1e-300:
                 return A, a, prev, it, True                           # rounding: no sweep lowers it further
-            A, a = A2, a2
+            A, a, zs = A2, a2, z2
             if prev - c <= 1e-13 * prev:
                 return A, a, c, it, True
             prev = c
@@ -261,13 +263,17 @@ def retrying(attempt, tries: int = TRIES, *, settled_mismatch: bool = False):
     raise errors[-1]
 
 
+def _dense(d: int, bases: int) -> bool:
+    """Whether the dense joint fit's ``(d - 1)^2 + (d - 1) + bases (d - 2)`` unknowns are within MAX_UNKNOWNS."""
+    return (d - 1) ** 2 + (d - 1) + bases * (d - 2) <= MAX_UNKNOWNS
+
+
 def dense_stage_v(d: int, bases: int = BASES) -> str:
     """Why the blocks on an image (``--method encoder``, the ``--image`` block route) are not built for width d
     (a sentence), or "" where they are: d <= 88, where stage V's joint fit is dense (3 bases). Past it stage V
     itself runs (:meth:`_Fit.solve_als`); stage F on the image reads full tangent Jacobians (5 (ffn + 1) of
     them, d - 2 directions each; no probe route there), which is what is not built at those widths."""
-    unknowns = (d - 1) ** 2 + (d - 1) + bases * (d - 2)
-    if unknowns <= MAX_UNKNOWNS:
+    if _dense(d, bases):
         return ""
     return (f"the blocks on a LayerNorm's image are built to d <= 88 (stage V's dense fit, at most {MAX_UNKNOWNS} "
             f"unknowns; past it stage V runs by alternating least squares, but stage F there reads 5 (ffn + 1) full "
@@ -310,15 +316,15 @@ def solve_bases(image: LayerNormImage, data: list, *, expected: float, condition
     its tangent in n-coordinates, ``Z^+ Y`` in that basis) from ``B = I, b = 0``, with its model check:
     :class:`ConvergenceError` if it did not settle, :class:`ModelMismatch` if it settled above
     ``CONSISTENCY x expected``. ``where``: a prefix for the messages (the encoder's block)."""
-    d = image.d
-    dense = (d - 1) ** 2 + (d - 1) + len(data) * (d - 2) <= MAX_UNKNOWNS
+    dense = _dense(image.d, len(data))
     fit = _Fit(image, data if dense else orthonormal_tangents(image, data))
     Qm = fit.Qm
     start = (Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta)
     if dense:
         A, a, cost, iters, settled = fit.solve(*start, max_iter)
     else:                                   # past the dense fit's size: alternating least squares, then the
-        A, a, _, iters, settled = fit.solve_als(*start, max(max_iter, ALS_SWEEPS))   # residual as the dense fit's
+        max_iter = max(max_iter, ALS_SWEEPS)                                        # residual as the dense fit's
+        A, a, _, iters, settled = fit.solve_als(*start, max_iter)
         r = fit.residual(A, a, fit.zetas(A, a))
         cost = float(r @ r)
     res = float(np.sqrt(cost) / max(fit.scale(), 1e-300))
