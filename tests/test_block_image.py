@@ -94,9 +94,14 @@ def test_the_guard_and_bad_input():
         value_sum_on_image(resolve("random:d=12,seed=1").make_oracle(), image, np.random.default_rng(0),
                            precision=1e-15)
     from headthief.extraction.block.on_image import extract_block_on_image
-    big = ModelOracle(random_block(96, 4, 8, seed=8))
-    with pytest.raises(SpecError, match="d = 96 is not built"):         # the image route's blocks: to d <= 88
-        extract_block_on_image(big, random_image(96, 8), heads=4, ffn=8, rng=0)
+    from headthief.extraction.block.arithmetic import image_planned
+    big = ModelOracle(random_block(96, 4, 512, seed=8))      # the plan, refused before a query
+    plan = sum(image_planned(96, 512, points=5 * 513).values()) / 1e12
+    assert 100 < plan < 1000
+    with pytest.raises(SpecError, match=rf"d = 96, FFN 512 plan {plan:.3g} TFLOP .* > --max-tflop 100"):
+        extract_block_on_image(big, random_image(96, 8), heads=4, ffn=512, rng=0)
+    with pytest.raises(SpecError, match="> --max-tflop 50"):
+        extract_block_on_image(big, random_image(96, 8), heads=4, ffn=512, rng=0, max_tflop=50)
     assert big.queries == 0
 
 
@@ -141,6 +146,31 @@ def test_alternating_least_squares_and_the_dense_fit_agree():
     assert np.max(np.abs(centre(Qm @ A @ Qm.T) - dense.K)) <= 1e-9 * np.max(np.abs(K))
     assert np.max(np.abs(centre(Qm @ a) - dense.c)) <= 1e-9 * np.max(np.abs(K))
     assert np.max(np.abs(dense.K - K)) <= 1e-9 * np.max(np.abs(K))
+
+
+def test_a_dense_fit_cut_short_is_taken_over_by_the_alternation():
+    """At d = 12 the dense fit goes first; given one step (it needs 6 - 12 from ``B = I``) it stops unsettled
+    far from the answers, and the alternating least squares from ``B = I`` takes over: K and c to the truth,
+    the steps of both routes counted."""
+    from headthief.extraction.block import value_sum_image as vsi
+    block, image = random_block(D, H, FFN, seed=6), random_image(D, 6)
+    rng = np.random.default_rng(6)
+    oracle = ImageGuard(ModelOracle(block), image)
+    data = []
+    for n in image.points(rng, 3):
+        T = image.tangent(n, rng)
+        Y, Z, _ = vsi._jacobians(oracle, image, n, T, 1e-3)
+        data.append((n, T, np.linalg.lstsq(Z, Y, rcond=None)[0]))
+    fit = vsi._Fit(image, data)
+    Qm = fit.Qm
+    start = (Qm.T @ (image.gamma[:, None] * Qm), Qm.T @ image.beta)
+    A1, a1, cost1, steps1, settled1 = fit.solve(*start, max_iter=1)
+    assert not settled1 and np.sqrt(cost1) / fit.scale() > vsi.CONSISTENCY * 1e-9
+    ivs = vsi.solve_bases(image, data, expected=1e-9, conditioning=1.0, step=1e-3, queries=0, max_iter=1)
+    K, c = _truth(block, image)
+    assert np.max(np.abs(ivs.K - K)) <= 1e-9 * np.max(np.abs(K))
+    assert np.max(np.abs(ivs.c - c)) <= 1e-8 * np.max(np.abs(K))
+    assert ivs.iterations > 1 and ivs.residual <= vsi.CONSISTENCY * 1e-9
 
 
 # ----------------------------------------------------------------------------- the whole block on the image
@@ -222,3 +252,21 @@ def test_stage_f_on_the_image_is_tried_again_from_more_points(monkeypatch):
         ffn_image.extract_ffn_on_image(ModelOracle(random_block(8, 2, 8, seed=1)), None, np.random.default_rng(0),
                                        ffn=8, reader=None)
     assert calls == [base]
+
+
+def test_the_image_plan_passes_the_sizes_run_here_and_stops_minilm():
+    """The image route's and the encoder's plan (``arithmetic.image_planned``): within the default limit at the
+    sizes extracted end to end on a 2-core machine (d = 8 - 96), above it for MiniLM's encoder, linear in the
+    blocks, and the span's share growing with the points."""
+    from headthief.extraction.block.arithmetic import MAX_TFLOP, image_planned, image_too_large
+    from headthief.extraction.block.encoder import POINTS, blocks_too_large
+    for d, ffn in ((8, 8), (16, 32), (32, 64), (64, 64), (96, 8)):
+        assert image_too_large(d, ffn, points=5 * (ffn + 1), max_tflop=MAX_TFLOP) == ""
+        assert blocks_too_large(d, ffn, 2) == ""
+    one = image_planned(384, 1536, points=POINTS * 1537)
+    six = image_planned(384, 1536, points=POINTS * 1537, blocks=6)
+    assert set(one) == {"F span (full)", "fit"} and all(six[k] == 6 * one[k] for k in one)
+    assert sum(six.values()) > 1e3 * MAX_TFLOP * 1e12
+    assert image_planned(64, 256, points=2000)["F span (full)"] > image_planned(64, 256, points=1000)["F span (full)"]
+    why = blocks_too_large(384, 1536, 6)
+    assert why.startswith("the 6 blocks on a LayerNorm's image at d = 384, FFN 1536 plan") and "15370" in why

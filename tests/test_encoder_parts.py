@@ -1,5 +1,5 @@
 """What an encoder API gives away without a block taken apart (issue 19: ``--method encoder`` with
-``hidden=last``, and past the dense stage V's d <= 88; ``block/encoder_parts.py``), against the truth."""
+``hidden=last``, and blocks planned past ``--max-tflop``; ``block/encoder_parts.py``), against the truth."""
 
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def test_a_parts_run_is_journaled_and_replays(tmp_path, capsys):
     assert rows[1]["offsets_rel_err"] == rows[0]["offsets_rel_err"]
 
 
-def test_an_encoder_wider_than_the_dense_stage_v_gives_what_it_can(capsys):
-    """d = 96 with every layer's states: LN_emb, the offsets, every output LayerNorm (exact algebra) and block 0's
-    stage V on LN_emb's image, the check passed, then exit 2 naming the stage that is not built."""
+def test_an_encoder_whose_blocks_plan_past_the_limit_gives_what_it_can(capsys):
+    """d = 96 with every layer's states and ``--max-tflop 1`` (the block plans about 3.9): LN_emb, the offsets,
+    every output LayerNorm (exact algebra) and block 0's stage V on LN_emb's image, the check passed, then exit 2
+    naming the plan and the limit."""
+    from headthief.extraction.block.encoder import blocks_too_large
+    assert blocks_too_large(96, 8, 1, 100) == "" and blocks_too_large(96, 8, 1, 1)
     code = main(["extract", "--target", "bert-encoder:d=96,heads=2,ffn=8,layers=1,seed=2,positions=4", "--method", "encoder",
-                 "--verify", "8", "--json"])
+                 "--verify", "8", "--max-tflop", "1", "--json"])
     row = json.loads(capsys.readouterr().out)
-    assert code == 2 and "d = 96 is not built" in row["error"] and row["model_check"]["verdict"] == "pass"
+    assert code == 2 and row["model_check"]["verdict"] == "pass"
+    assert f"the blocks: {blocks_too_large(96, 8, 1, 1)}" in row["error"]
     assert row["ln_emb_gamma_rel_err"] <= 1e-9 and row["offsets_rel_err"] <= 1e-9
     assert row["ln_out_gamma_rel_err"] <= 1e-9 and row["ln_out_beta_rel_err"] <= 1e-9
     assert row["layers_seen"] == 1 and row["queries_sent"] == row["queries"] + 4 * 8

@@ -403,7 +403,8 @@ def _run_block(oracle, target, args, progress, clean=None):
                                       heads=int(heads), ffn=ffn, rng=np.random.default_rng(args.seed),
                                       verify=kw["verify"], check=kw["check"], progress=progress,
                                       activation=getattr(args, "activation", "gelu"),
-                                      ln_eps=getattr(args, "ln_eps", None))
+                                      ln_eps=getattr(args, "ln_eps", None),
+                                      max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)))
     return extract_block(oracle, **check_kw(args), heads=heads, ffn=ffn, rng=np.random.default_rng(args.seed),
                          progress=progress, stage_f=getattr(args, "stage_f", "auto"),
                          max_tflop=float(getattr(args, "max_tflop", MAX_TFLOP)),
@@ -447,8 +448,8 @@ def encoder_layers(info: dict, given: int | None, oracle, target) -> int:
 
 
 def _run_encoder(oracle, target, args, progress, clean=None):
-    from .extraction.block.encoder import extract_encoder
-    from .extraction.block.value_sum_image import dense_stage_v
+    from .extraction.block.arithmetic import MAX_TFLOP
+    from .extraction.block.encoder import blocks_too_large, extract_encoder
     info = (target.info or {}) if target is not None else {}
     heads, ffn = _block_sizes(target, args)
     heads = heads or info.get("heads")
@@ -460,12 +461,14 @@ def _run_encoder(oracle, target, args, progress, clean=None):
     kw = check_kw(args)
     length = min(16, int(info.get("positions", 16)))
     rng = np.random.default_rng(args.seed)
-    too_large = dense_stage_v(d)
+    max_tflop = float(getattr(args, "max_tflop", MAX_TFLOP))
+    too_large = blocks_too_large(d, int(ffn), L, max_tflop) if ffn is not None and oracle.d_out != d else ""
     if oracle.d_out == d or too_large:
         # what is possible without taking a block apart; the run ends in exit 2 with those parts in the row
         if getattr(args, "ln_eps", None) is not None:
-            raise SpecError("--ln-eps applies to --method encoder with every layer's hidden states (d <= 88): the "
-                            "parts read without a block (hidden=last, or d > 88) assume BERT's 1e-12")
+            raise SpecError("--ln-eps applies to --method encoder with every layer's hidden states and the blocks "
+                            "taken apart: the parts read without a block (hidden=last, or blocks planned past "
+                            "--max-tflop) assume BERT's 1e-12")
         from .extraction.block.encoder_parts import extract_encoder_parts, not_recovered
         hidden = "last" if oracle.d_out == d else "all"
         reason = None if hidden == "last" else f"the blocks: {too_large} (docs/block.md)"
@@ -477,17 +480,19 @@ def _run_encoder(oracle, target, args, progress, clean=None):
                         f"(--heads H, --ffn M; {target.spec} does not publish them)")
     return extract_encoder(oracle, layers=L, heads=int(heads), ffn=int(ffn), rng=rng, length=length,
                            verify=kw["verify"], check=kw["check"], check_rng=kw["check_rng"], progress=progress,
-                           activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None))
+                           activation=getattr(args, "activation", "gelu"), ln_eps=getattr(args, "ln_eps", None),
+                           max_tflop=max_tflop)
 
 
 METHODS["encoder"] = Method(
     _run_encoder, lambda t, a: None,
     "ours: a whole BERT encoder queried with inputs_embeds, every layer's hidden states answered (float64 or "
-    "float32; d <= 88): the embeddings' LayerNorm and position offsets, then each block from forward paths (its "
+    "float32): the embeddings' LayerNorm and position offsets, then each block from forward paths (its "
     "inputs observed, never inverted): stage V, stage F and the heads fitted, as --method block on a LayerNorm's "
-    "image (--heads, --ffn). With hidden=last, or d > 88: what the API gives away without a block taken apart "
-    "(the position offsets from LN_emb's scale invariance, the output LayerNorms, a permutation check; past d = 88 "
-    "with every layer's states also block 0's stage V), exit 2")
+    "image (--heads, --ffn). With hidden=last, or blocks that plan more than --max-tflop (MiniLM's: about 180,000 "
+    "TFLOP): what the API gives away without a block taken apart (the position offsets from LN_emb's scale "
+    "invariance, the output LayerNorms, a permutation check; with every layer's states also block 0's stage V), "
+    "exit 2")
 
 
 def _run_rope(oracle, target, args, progress, clean=None):

@@ -133,7 +133,7 @@ SETTING_METHODS: dict[str, set[str]] = {
     "solver": {"rop"}, "measurements": {"rop"}, "oversampling": {"rop"},
     "heads": {"multihead", "multihead-hessian", "transformer-paper", "transformer", "vector", "block", "rope",
               "encoder"},
-    "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block"},
+    "ffn": {"block", "encoder"}, "layers": {"encoder"}, "stage_f": {"block"}, "max_tflop": {"block", "encoder"},
     "refit_device": {"block"}, "activation": {"block", "encoder"}, "ln_eps": {"block", "encoder"},
     "max_len": {"rope"}, "verify_len": {"rope"},
     "max_heads": {"multihead", "transformer-paper", "transformer"},

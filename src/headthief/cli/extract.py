@@ -81,9 +81,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                         "answers (free inputs: stage L's distance from LN2's ellipsoid, then fitted; encoder: "
                         "stage E fits LN_emb's eps from inputs_embeds that nearly cancel the position offsets)")
     e.add_argument("--max-tflop", dest="max_tflop", type=float, default=D.max_tflop, metavar="T",
-                   help="block: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most hours on "
-                        "a 2-core machine); above it the run stops after stage V with LN2, B and b and the plan, exit 2 "
-                        "(MiniLM's blocks in float32: about 5,000)")
+                   help="block, encoder: the most arithmetic (TFLOP) the stages after V may plan (default 100: at most "
+                        "hours on a 2-core machine); above it a block on free inputs stops after stage V with LN2, B "
+                        "and b and the plan, a block on a LayerNorm's image is refused before the first query, and "
+                        "--method encoder reads only the parts it can without a block; exit 2 (MiniLM's blocks in "
+                        "float32: about 4,300; its whole encoder: about 180,000)")
     e.add_argument("--refit-device", dest="refit_device", default=None, metavar="DEV",
                    help="block: where the two refits' losses run: numpy (default), cpu (torch), cuda or cuda:N (a "
                         "GPU: the refits are most of a MiniLM block's arithmetic)")

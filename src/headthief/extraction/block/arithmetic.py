@@ -87,6 +87,36 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
     return out
 
 
+IMAGE_FIT_ITERATIONS = 4500   # the image route's fit (heads first, then all): L-BFGS evaluations planned (measured
+                              # 394 - 860 at d = 16, 517 - 697 at d = 32, float64: the refits' worst case kept)
+
+
+def image_planned(d: int, ffn: int, *, points: int, blocks: int = 1) -> dict[str, float]:
+    """Floating-point operations of the image route's stages after V (:mod:`.on_image`, ``--method encoder``'s
+    blocks): ``F span (full)``, stage F's span from ``points`` full tangent Jacobians (the full route's count
+    above: there is no probe route on the image), and ``fit``, the heads' fit and then every parameter's over
+    :func:`.block_refit.fit_counts`' sequences (a forward and backward pass, :data:`IMAGE_FIT_ITERATIONS` times);
+    for ``blocks`` such blocks (an encoder's). Stage F's retries at 2x and 4x the points are not counted."""
+    from .block_refit import REFIT_LENGTHS, fit_counts
+    T, r = max(int(points), 2 * d), ffn + 1
+    step = T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
+    positions = sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
+                    for L, n in zip(REFIT_LENGTHS, fit_counts(d, ffn)))
+    return {"F span (full)": blocks * SPAN_STEPS * step, "fit": blocks * IMAGE_FIT_ITERATIONS * positions}
+
+
+def image_too_large(d: int, ffn: int, *, points: int, max_tflop: float, blocks: int = 1) -> str:
+    """Why the blocks on a LayerNorm's image are not taken apart at width d with FFN ``ffn`` (a sentence
+    naming the plan and the limit), or "" when :func:`image_planned` is within ``max_tflop`` TFLOP."""
+    plan = image_planned(d, ffn, points=points, blocks=blocks)
+    if not over_limit(plan, max_tflop):
+        return ""
+    what = "the block" if blocks == 1 else f"the {blocks} blocks"
+    return (f"{what} on a LayerNorm's image at d = {d}, FFN {ffn} plan {sum(plan.values()) / 1e12:.3g} TFLOP "
+            f"({describe(plan)}) > --max-tflop {max_tflop:g}: stage F there reads {max(int(points), 2 * d)} full "
+            "tangent Jacobians (no probe route on the image)")
+
+
 def describe(plan: dict[str, float]) -> str:
     """``"F span 930 TFLOP, ..."``: the plan in TFLOP, largest first."""
     return ", ".join(f"{k} {v / 1e12:.3g} TFLOP" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))
@@ -97,5 +127,5 @@ def over_limit(plan: dict[str, float], max_tflop: float) -> bool:
     return sum(plan.values()) > float(max_tflop) * 1e12
 
 
-__all__ = ["FIT_ITERATIONS", "MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe",
-           "over_limit", "planned"]
+__all__ = ["FIT_ITERATIONS", "IMAGE_FIT_ITERATIONS", "MAX_TFLOP", "POLISH_CG", "POLISH_SWEEPS", "REFIT_ITERATIONS", "SPAN_STEPS", "describe",
+           "image_planned", "image_too_large", "over_limit", "planned"]

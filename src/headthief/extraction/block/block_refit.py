@@ -29,12 +29,25 @@ NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "b
 LN_EPS_MODES = ("off", "fixed", "fit")
 
 
+def parameter_count(d: int, ffn: int) -> int:
+    """The block refit's parameter count (:func:`params_of`; H d_h = d)."""
+    return 4 * d * d + 6 * d + 2 * d * ffn + ffn
+
+
 def refit_counts(d: int, ffn: int) -> list[int]:
     """Sequences per length in REFIT_LENGTHS: a quarter of ``max(4000, 8 x params / d)`` positions each, with
-    ``params`` the block refit's parameter count (:func:`params_of`; H d_h = d)."""
-    params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
-    per = max(4000, 8 * params // d) // len(REFIT_LENGTHS)
+    ``params`` the block refit's parameter count (:func:`parameter_count`)."""
+    per = max(4000, 8 * parameter_count(d, ffn) // d) // len(REFIT_LENGTHS)
     return [-(-per // T) for T in REFIT_LENGTHS]
+
+
+def fit_counts(d: int, ffn: int, positions: int | None = None) -> list[int]:
+    """Sequences per length in REFIT_LENGTHS for the image route's fit (:mod:`.on_image`): a quarter of
+    ``positions`` answered positions each (default ``max(1000, 8 x parameters / d)``: the fit starts from stages
+    L, V, F's exact parts, so a quarter of what the float32 refit takes is enough; measured in docs/block.md)."""
+    if positions is None:
+        positions = max(1000, 8 * parameter_count(d, ffn) // d)
+    return [-(-int(positions) // (len(REFIT_LENGTHS) * T)) for T in REFIT_LENGTHS]
 
 
 def params_of(block) -> dict:
@@ -235,4 +248,5 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
                  "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if ln_eps == "fit" else {})}
 
 
-__all__ = ["REFIT_LENGTHS", "gauged", "loss_and_grad", "params_of", "refit_block", "refit_counts"]
+__all__ = ["REFIT_LENGTHS", "fit_counts", "gauged", "loss_and_grad", "parameter_count", "params_of", "refit_block",
+           "refit_counts"]

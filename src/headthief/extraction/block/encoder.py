@@ -31,9 +31,11 @@ fresh heads start (``FIT_TRIES`` in all; float32: also a pass above ``GOOD_FACTO
 passing try kept; a best try still above it goes on fitting at 1% a chunk for at most ``POLISH`` iterations,
 and if it stays above it the run ends in :class:`ConvergenceError`: not at the method's precision); a model
 that is not this class fails every try.
-The blocks on an image are built to d <= 88 (:func:`.value_sum_image.dense_stage_v`; stage F there reads full
-tangent Jacobians): d > 88 is refused before the first query (``--method encoder`` then reads the parts of
-:mod:`.encoder_parts` instead: LN_emb, the offsets, every layer's output LayerNorm and block 0's stage V; exit 2).
+The blocks are taken apart at any width whose plan (:func:`blocks_too_large`: stage F there reads full tangent
+Jacobians, no probe route, and the fits) is within ``--max-tflop``; past it the run is refused before the first
+query (``--method encoder`` then reads the parts of :mod:`.encoder_parts` instead: LN_emb, the offsets, every
+layer's output LayerNorm and block 0's stage V; exit 2). At MiniLM's size (d = 384, FFN 1536, 6 blocks) the
+plan is about 180,000 TFLOP.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from .lbfgs import SLOW_GAIN
 from .on_image import GOOD_FACTOR, HEADS, answer_precision, fit_counts, image_block_errors, start_block
 from .smoothness import check_smooth_activation
 from .value_sum import BASES, COARSE, RANK_MARGIN, centre, stencil_derivative
-from .value_sum_image import ImageValueSum, dense_stage_v, retrying, solve_bases
+from .value_sum_image import ImageValueSum, retrying, solve_bases
 from ..result import Fidelity
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
@@ -328,10 +330,19 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
     return out
 
 
+def blocks_too_large(d: int, ffn: int, layers: int, max_tflop: float | None = None) -> str:
+    """Why ``--method encoder`` does not take the ``layers`` blocks apart (the plan of
+    :func:`.arithmetic.image_planned` at :data:`POINTS` (ffn + 1) points a block, over ``max_tflop``, default
+    :data:`.arithmetic.MAX_TFLOP`), or ""."""
+    from .arithmetic import MAX_TFLOP, image_too_large
+    return image_too_large(d, int(ffn), points=POINTS * (int(ffn) + 1), blocks=int(layers),
+                           max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
+
+
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
                     length: int = 16, verify: int = 64, check: bool = True, check_rng=None,
                     positions: int | None = None, progress=None, activation: str = "gelu",
-                    ln_eps: float | str | None = None) -> EncoderExtraction:
+                    ln_eps: float | str | None = None, max_tflop: float | None = None) -> EncoderExtraction:
     """Stage E, then every block from forward paths (module docstring). ``oracle``: an encoder API answering
     ``(layers + 1) d`` numbers per position (every layer's hidden states), float64. A refusal of the model
     class first asks one sequence three times (:func:`~headthief.extraction.precision.refuse_if_random`): an
@@ -343,12 +354,14 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
     :func:`.embeddings.embedding_stage`); and ``inputs_embeds`` are sent at :data:`EPS_SCALE` x sqrt(d) about
     the offsets, where LN_emb's eps moves ``hidden_states[0]`` by ~eps / (2 x EPS_SCALE^2) only. ``ln_eps="auto"``:
     LN_emb's eps measured at stage E (:func:`.embeddings._measured_eps`) and taken as every LayerNorm's (one
-    ``layer_norm_eps`` in every transformers config); BERT's where it is at most ``LN_EPS_EXACT``."""
+    ``layer_norm_eps`` in every transformers config); BERT's where it is at most ``LN_EPS_EXACT``.
+    ``max_tflop``: the blocks' stages after V may plan at most this many TFLOP in all (:func:`blocks_too_large`),
+    else a :class:`SpecError` before the first query."""
     from ..precision import refuse_if_random
     try:
         return _extract_encoder(oracle, layers=layers, heads=heads, ffn=ffn, rng=rng, length=length, verify=verify,
                                 check=check, check_rng=check_rng, positions=positions, progress=progress,
-                                activation=activation, ln_eps=ln_eps)
+                                activation=activation, ln_eps=ln_eps, max_tflop=max_tflop)
     except ModelMismatch as e:
         refuse_if_random(oracle, e, what="The encoder method")
         raise
@@ -356,7 +369,8 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
 
 def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int,
                      length: int, verify: int, check: bool, check_rng, positions: int | None,
-                     progress, activation: str = "gelu", ln_eps: float | str | None = None) -> EncoderExtraction:
+                     progress, activation: str = "gelu", ln_eps: float | str | None = None,
+                     max_tflop: float | None = None) -> EncoderExtraction:
     """:func:`extract_encoder`'s stages."""
     from .extract import AUTO_EPS, LN_EPS_EXACT, LN_EPS_START, activation_named, ln_eps_told
     rng = np.random.default_rng(rng)
@@ -370,10 +384,10 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
                         f"numbers per position), got {oracle.d_out}: with hidden=last block k's inputs are never seen")
     if int(heads) < 1 or d % int(heads):
         raise SpecError(f"heads={heads} must divide d={d}")
-    too_large = dense_stage_v(d)
+    check_span_fits(d, int(ffn))
+    too_large = blocks_too_large(d, int(ffn), layers, max_tflop)
     if too_large:                                                       # refused before the first query
         raise SpecError(f"{too_large} (encoder_parts.extract_encoder_parts reads what is possible at this size)")
-    check_span_fits(d, int(ffn))
     t0 = time.perf_counter()
     from ..check import counters
     before = counters(oracle)

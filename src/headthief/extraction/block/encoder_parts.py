@@ -249,6 +249,7 @@ class EncoderParts:
     check: Any = None
     method: str = "encoder (parts)"
     block0: Any = None       # block 0's stage V on LN_emb's image (hidden=all; :class:`.value_sum_image.ImageValueSum`)
+    block0_refused: str = ""  # why block 0's stage V was not read, where it was tried and refused ("" otherwise)
 
     @property
     def d(self) -> int:
@@ -363,9 +364,9 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
                  "offsets_residual_all_tokens": scaled, "equivariance_in_sample": in_sample,
                  "equivariance_in_sample_median": in_median,
                  "offsets_condition": so.condition, "offsets_floor": floor})
-    block0 = None
+    block0, block0_refused = None, ""
     if hidden == "all" and emb is not None:
-        block0 = _block0_value_sum(oracle, emb, L, rng, eps, diag)
+        block0, block0_refused = _block0_value_sum(oracle, emb, L, rng, eps, diag)
     if progress is not None:
         progress(1)
     # the activation's class is reported, not a gate: no block is recovered, and the real all-MiniLM-L6-v2 has
@@ -384,7 +385,7 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
     res = EncoderParts(hidden=hidden, offsets=offsets, ln_emb=None if emb is None else emb.ln, output_lns=lns,
                        layers_seen=seen, activation_ratio=ratio, not_recovered=reason,
                        queries=int(oracle.queries - q0), seconds=time.perf_counter() - t0, diagnostics=diag,
-                       block0=block0)
+                       block0=block0, block0_refused=block0_refused)
     if not check:
         return _with(res, ModelCheck("unchecked", MODEL, detail="the model check was skipped"), t0)
     crng = rng if check_rng is None else np.random.default_rng(check_rng)
@@ -419,8 +420,8 @@ def extract_encoder_parts(oracle: Oracle, *, layers: int, hidden: str, rng: np.r
 
 def _block0_value_sum(oracle: Oracle, emb: Embeddings, layers: int, rng: np.random.Generator, eps: float,
                       diag: dict):
-    """Block 0's stage V on LN_emb's image from forward paths (:func:`.encoder._value_sum`; past d = 88 by
-    alternating least squares): ``K = P B G_emb`` and ``c``, or None with the reason in ``diag``. A read refused
+    """Block 0's stage V on LN_emb's image from forward paths (:func:`.encoder._value_sum`; past d = 24 by
+    alternating least squares first): ``(ImageValueSum, "")``, or ``(None, why)`` (the reason in ``diag`` too). A read refused
     (a pair Jacobian too poorly conditioned for the answers' precision, or a fit that did not settle) is said,
     not raised: the run ends in exit 2 either way, with the other parts. A fit that settles far from any one B
     on every try is the wrong model class (exit 5), as on the encoder route."""
@@ -433,11 +434,11 @@ def _block0_value_sum(oracle: Oracle, emb: Embeddings, layers: int, rng: np.rand
         ivs = retrying(lambda: _value_sum(paths, 0, paths.image, rng, eps), settled_mismatch=True)
     except (ConvergenceError, NotIdentifiable) as e:
         diag.update({"block0_value_sum": f"not read: {e}", "block0_value_sum_queries": int(oracle.queries - q)})
-        return None
+        return None, f"not read: {e}"
     diag.update({"block0_value_sum": "read", "block0_value_sum_queries": int(oracle.queries - q),
                  "block0_value_sum_residual": ivs.residual, "block0_value_sum_expected": ivs.expected,
                  "block0_value_sum_conditioning": ivs.conditioning, "block0_value_sum_iterations": ivs.iterations})
-    return ivs
+    return ivs, ""
 
 
 def _with(res: EncoderParts, mc, t0: float) -> EncoderParts:
@@ -462,8 +463,8 @@ def not_recovered(parts: EncoderParts) -> NotIdentifiable:
     if parts.block0 is not None:
         lns += (f", block 0's stage V on LN_emb's image (P B G_emb and P (B beta_emb + b), relative residual "
                 f"{parts.block0.residual:.2g})")
-    elif str(parts.diagnostics.get("block0_value_sum", "")).startswith("not read"):
-        lns += f" (block 0's stage V {parts.diagnostics['block0_value_sum']})"
+    elif parts.block0_refused:
+        lns += f" (block 0's stage V {parts.block0_refused})"
     mc = parts.check
     checked = f"; model check {mc.verdict}" + (f" ({mc.figure:.3g} <= {mc.threshold:.3g})" if mc.verdict == "pass" else "")
     exc = NotIdentifiable(f"hidden={parts.hidden}: recovered {got} of positions 0..{parts.offsets.shape[0] - 1} and "

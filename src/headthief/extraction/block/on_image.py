@@ -44,18 +44,19 @@ from ...errors import ConvergenceError, ModelMismatch, SpecError
 from ...oracles.base import Oracle
 from ..check import cost, counters
 from ..result import Fidelity, rel_err
-from .block_refit import refit_block
+from .block_refit import fit_counts, refit_block
 from ..precision import ModelCheck
 from .extract import (AUTO_EPS, CHECK_FACTOR, LN_EPS_START, REFIT_LENGTHS, BlockExtraction, activation_named,
                       block_errors, ln_eps_told, model_of, parts_of)
-from .ffn import check_span_fits
+from .arithmetic import MAX_TFLOP, image_too_large
+from .ffn import check_span_fits, default_points
 from .ffn_image import check_on_image, extract_ffn_on_image, image_reader
 from .heads import Heads
 from .image import LayerNormImage
 from .layernorm import check_on_ellipsoid, fit_output_layernorm
 from .smoothness import check_smooth_activation
 from .value_sum import COARSE, ValueSum, with_map
-from .value_sum_image import ImageValueSum, dense_stage_v, retrying, value_sum_on_image
+from .value_sum_image import ImageValueSum, retrying, value_sum_on_image
 
 LN_LENGTH = 16          # stage L: sequences of this many image tokens
 HEADS = ("Q", "K", "bq", "V", "Wo", "bo")    # the attention's parameters: fitted alone first
@@ -101,16 +102,6 @@ def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generat
                      eps=BERT_EPS if ln_eps is None else ln_eps)
 
 
-def fit_counts(d: int, ffn: int, positions: int | None = None) -> list[int]:
-    """Sequences per length in REFIT_LENGTHS for the fit: a quarter of ``positions`` answered positions each
-    (default ``max(1000, 8 x parameters / d)``: the fit starts from stages L, V, F's exact parts, so a quarter
-    of what the float32 refit takes is enough; measured in docs/block.md)."""
-    if positions is None:
-        params = 4 * d * d + 6 * d + 2 * d * ffn + ffn
-        positions = max(1000, 8 * params // d)
-    return [-(-int(positions) // (len(REFIT_LENGTHS) * T)) for T in REFIT_LENGTHS]
-
-
 def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, ffn: int,
                positions: int | None) -> list:
     """Random image sequences for the fit (:func:`fit_counts`), answered: ``[(X, Y), ...]``."""
@@ -125,14 +116,16 @@ def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, 
 def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int, ffn: int,
                            rng: np.random.Generator | int = 0, verify: int = 256, check: bool = True,
                            positions: int | None = None, progress=None, activation: str = "gelu",
-                           ln_eps: float | None = None) -> BlockExtraction:
+                           ln_eps: float | None = None, max_tflop: float | None = None) -> BlockExtraction:
     """Stages L, V, F on the image, the heads fitted (module docstring), and the model check on ``verify``
     fresh image sequences of 1 to 16 tokens. float64 or float32 answers: the stencils' steps follow the
     answers' precision (:func:`answer_precision`), and for float32 the stages' algebra is the fit's start.
     ``positions``: answered positions for the fit (default: :func:`fit_counts`); ``activation``: the FFN's
     (:mod:`headthief.models.activations`, GELU by default); ``ln_eps``: the LayerNorms' eps
     (:func:`~.extract.extract_block`'s: above ``LN_EPS_EXACT`` the algebra is a start at float32's precision
-    and the fits hold the told eps; on the image the answers barely see it, so it is not fitted here)."""
+    and the fits hold the told eps; on the image the answers barely see it, so it is not fitted here).
+    ``max_tflop``: the stages after V may plan at most this many TFLOP (:func:`.arithmetic.image_planned`,
+    default :data:`.arithmetic.MAX_TFLOP`), else a :class:`SpecError` before the first query."""
     if not oracle.output.vector:
         raise SpecError(f"the block method needs vector answers, got output={oracle.output.value}")
     if image.d != oracle.d:
@@ -147,7 +140,8 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                         "--method encoder (stage E); on a LayerNorm's image the fits hold the eps: give its value")
     d = oracle.d
     check_span_fits(d, int(ffn))                  # before the first query
-    too_large = dense_stage_v(d)
+    too_large = image_too_large(d, int(ffn), points=default_points(d, int(ffn)),
+                                max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
     if too_large:
         raise SpecError(too_large)
     t0 = time.perf_counter()
