@@ -54,10 +54,21 @@ def _svd(m: int, n: int) -> float:
     return 4.0 * m * n * k + 10.0 * k ** 3
 
 
+def _full_span_step(T: int, d: int, r: int) -> float:
+    """One step of stage F's full-route span over T points (rank r): the nuisances' normal equations and the SVD."""
+    return T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
+
+
+def _positions(d: int, ffn: int, counts) -> float:
+    """A refit's forward and backward pass over ``counts`` sequences per length in REFIT_LENGTHS."""
+    from .block_refit import REFIT_LENGTHS
+    return sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d) for L, n in zip(REFIT_LENGTHS, counts))
+
+
 def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]:
     """Floating-point operations of the stages after V (module docstring), by stage: ``F span``,
     ``F+ one-token refit`` and ``R block refit`` (coarse answers only), ``A reads fit``, ``A polish``."""
-    from .block_refit import REFIT_LENGTHS, refit_counts
+    from .block_refit import refit_counts
     from .ffn_probes import inside_count, orthogonal_points, probe_count
     from .one_token_refit import random_queries
     T = max(5 * (ffn + 1), 2 * d)
@@ -73,13 +84,12 @@ def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]
         else:                                                       # small d: every point's nuisance wide
             step = T * (4.0 * d * p * r + 2.0 * w * w * r + 10.0 * w ** 3) + top
     else:
-        step = T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
+        step = _full_span_step(T, d, r)
     out = {"F span": SPAN_STEPS * step}
     if coarse:
         one = 3.0 * (2 * d * d + 4 * d * ffn)
         out["F+ one-token refit"] = REFIT_ITERATIONS * one * random_queries(d, ffn)
-        positions = sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
-                        for L, n in zip(REFIT_LENGTHS, refit_counts(d, ffn)))
+        positions = _positions(d, ffn, refit_counts(d, ffn))
         out["R block refit"] = REFIT_ITERATIONS * (positions + one * random_queries(d, ffn))
     Pn, K = 2 * d + 8, 2 * d + 1
     out["A reads fit"] = FIT_ITERATIONS * (8.0 * K * Pn * d * d + 4.0 * K * d ** 3)
@@ -97,11 +107,9 @@ def image_planned(d: int, ffn: int, *, points: int, blocks: int = 1) -> dict[str
     above: there is no probe route on the image), and ``fit``, the heads' fit and then every parameter's over
     :func:`.block_refit.fit_counts`' sequences (a forward and backward pass, :data:`IMAGE_FIT_ITERATIONS` times);
     for ``blocks`` such blocks (an encoder's). Stage F's retries at 2x and 4x the points are not counted."""
-    from .block_refit import REFIT_LENGTHS, fit_counts
-    T, r = max(int(points), 2 * d), ffn + 1
-    step = T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
-    positions = sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
-                    for L, n in zip(REFIT_LENGTHS, fit_counts(d, ffn)))
+    from .block_refit import fit_counts
+    step = _full_span_step(max(int(points), 2 * d), d, ffn + 1)
+    positions = _positions(d, ffn, fit_counts(d, ffn))
     return {"F span (full)": blocks * SPAN_STEPS * step, "fit": blocks * IMAGE_FIT_ITERATIONS * positions}
 
 

@@ -419,7 +419,7 @@ def _polish(F, dirs, Ot, What, rank: int, *, max_iter: int = 2000, tol: float = 
 
     r0 = best = residual()
     it, stale = 0, 0
-    last = (np.einsum("hdr,her->hde", P, Q), np.einsum("hdr,her->hde", R, K))
+    last = None if settle is None else (np.einsum("hdr,her->hde", P, Q), np.einsum("hdr,her->hde", R, K))
     for it in range(1, max_iter + 1):
         a, b = coeff(Q), coeff(K)
         V = apply(R, b)                                               # (reads, H, d + 1): R_h b_kh
