@@ -237,7 +237,7 @@ def test_a_stage_f_map_just_outside_its_check_is_refitted_in_float64(monkeypatch
                                 threshold=out["threshold"])
         return out
     monkeypatch.setattr(ex, "check_one_token", misses_once)
-    rep = ht.extract(f"{SPEC},seed=42", "block", verify=64, raise_errors=False)
+    rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=42", "block", verify=64, raise_errors=False)
     r = rep.row
     if factor > ex.RESCUE:
         assert rep.exit_code == 5 and len(calls) == 1 and "one_token_refit_queries" not in r
@@ -324,7 +324,8 @@ def test_answers_rounded_to_6_decimals_are_extracted_within_their_precision():
     """A rounding defence over the block (one-token queries pass through it): extracted, its check passed, the
     fidelity within 100x the rounding's relative size; stage L's ellipsoid check uses that precision, not
     float64's."""
-    rep = ht.extract(f"{SPEC},seed=41", "block", noise_mode="round:6", verify=64, raise_errors=False)
+    rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41", "block", noise_mode="round:6", verify=64,
+                     raise_errors=False)
     row = rep.row
     assert rep.exit_code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
     tau = 0.5e-6
@@ -466,9 +467,11 @@ def test_cli_table_lists_every_head(capsys):
 
 
 def test_cli_logs_stages_when_stderr_is_a_file(capsys):
-    """stderr not a terminal (a log file, nohup): a line per stage, timestamped, with the queries so far."""
+    """stderr not a terminal (a log file, nohup): a line per stage, timestamped, with the queries so far (a small
+    block: the lines are the same at any size)."""
     from headthief.cli import main
-    code = main(["extract", "--target", f"{SPEC},seed=44", "--method", "block", "--verify", "16", "--json"])
+    code = main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=44", "--method", "block", "--verify", "16",
+                 "--json"])
     err = capsys.readouterr().err.splitlines()
     assert code == 0
     stages = [line for line in err if "stage F (" in line or "stage A (" in line]
@@ -495,11 +498,12 @@ def test_progress_log_lines_at_most_once_a_minute_between_stages(capsys):
 
 def test_cli_log_names_the_span_steps(capsys, monkeypatch):
     """Stage F's span and neuron search (hours at MiniLM's size) log their steps: every one when lines may come
-    at any time."""
+    at any time. (A small block: the lines are the same at any size.)"""
     import headthief.cli.extract as cli_extract
     from headthief.cli import main
     monkeypatch.setattr(cli_extract, "LOG_EVERY", 0.0)
-    code = main(["extract", "--target", f"{SPEC},seed=45", "--method", "block", "--verify", "16", "--json"])
+    code = main(["extract", "--target", "bert-block:d=8,heads=2,ffn=8,seed=45", "--method", "block", "--verify", "16",
+                 "--json"])
     err = capsys.readouterr().err.splitlines()
     steps = [line for line in err if ", span step " in line]
     assert code == 0 and steps and "span step 1, fixed-point residual" in steps[0]
@@ -528,7 +532,7 @@ def test_heads_short_of_the_float64_level_are_polished_and_the_polish_resumes(tm
                                    info={**att.info, "heads_residual": 1e-7})      # reads that precise, as measured
 
     monkeypatch.setattr(extract, "extract_heads", short)
-    spec = f"{SPEC},seed=43"
+    spec = "bert-block:d=12,heads=2,ffn=12,seed=43"
     rep = ht.extract(spec, "block", verify=16)
     r = rep.row
     assert rep.ok and r["block_polish"] == "run" and r["block_polish_kept"] is True

@@ -141,22 +141,23 @@ def test_a_block_with_layernorm_eps_1e_5_in_an_encoder_is_named():
 
 def test_a_py_encoder_reads_its_layer_count_from_the_answers_or_from_layers(tmp_path, capsys):
     """A ``py:`` encoder publishes no layer count: with every layer's hidden states it is ``--d-out / --d - 1``
-    (extracted, every part within 1e-9); with the last layer's only, ``--layers`` is asked for by name; a
-    ``--layers`` that contradicts a target's own count, or below 1, is refused before any query."""
+    (extracted, every part within 1e-9; one block here, 16 / 8 - 1: no count is assumed, as the last layer's
+    case shows); with the last layer's only, ``--layers`` is asked for by name; a ``--layers`` that
+    contradicts a target's own count, or below 1, is refused before any query."""
     f = tmp_path / "enc.py"
     f.write_text("import numpy as np\n"
                  "from headthief.models.bert_block import random_encoder\n"
-                 "E = random_encoder(8, 2, 8, 2, seed=11)\n"
+                 "E = random_encoder(8, 2, 8, 1, seed=11)\n"
                  "L = E.with_hidden('last')\n"
                  "def every(seqs):\n"
                  "    return [E.forward(np.asarray(x)[None])[0] for x in seqs]\n"
                  "def last(seqs):\n"
                  "    return [L.forward(np.asarray(x)[None])[0] for x in seqs]\n")
-    code = main(["extract", "--target", f"py:{f}:every", "--d", "8", "--output", "all", "--d-out", "24",
+    code = main(["extract", "--target", f"py:{f}:every", "--d", "8", "--output", "all", "--d-out", "16",
                  "--method", "encoder", "--heads", "2", "--ffn", "8", "--verify", "32", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
-    assert "fit_attempts_block_1" in row and "fit_attempts_block_2" not in row       # two blocks, read from 24 / 8
+    assert "fit_attempts_block_0" in row and "fit_attempts_block_1" not in row       # one block, read from 16 / 8
     assert row["fidelity_max_rel_err"] <= 1e-9
     code = main(["extract", "--target", f"py:{f}:last", "--d", "8", "--output", "all", "--method", "encoder",
                  "--json"])
@@ -200,3 +201,36 @@ def test_an_encoder_whose_answers_are_not_a_function_of_its_input_is_refused_as_
     row = json.loads(capsys.readouterr().out)
     assert code == 5 and "answers the same query differently" in row["error"]
     assert row["model_check"]["check"] == "repeatability" and row["queries_sent"] == 3 + 3     # stage E, the repeat
+
+
+def test_the_fits_sequences_tell_every_heads_scores_where_the_encoder_answers_short_ones(capsys):
+    """An encoder of 2 positions answers 2-token sequences only: a row gives a head one softmax difference,
+    and a head of width d = 16 has 16 (2 x 16 - 16) = 256 score unknowns. The default 125 sequences gave 250
+    (on this encoder the heads' fit found no block on any try: a false exit 5); ``fit_counts`` now draws
+    SCORE_FACTOR x as many, and every part is recovered."""
+    from headthief.extraction.block.block_refit import SCORE_FACTOR, fit_counts, score_rows
+    counts = fit_counts(16, 8, heads=1, lengths=(2,))
+    assert fit_counts(16, 8, lengths=(2,)) == [125] and score_rows([125], (2,)) < 256
+    assert SCORE_FACTOR * 256 <= score_rows(counts, (2,)) < SCORE_FACTOR * 256 + 2
+    assert fit_counts(8, 8, heads=2) == fit_counts(8, 8) == [125, 63, 32, 16]       # binds only where short
+    short = fit_counts(64, 8, heads=2, lengths=(2, 4))
+    assert short[0] == fit_counts(64, 8)[0] and score_rows(short, (2, 4)) >= SCORE_FACTOR * 32 * (128 - 32)
+    code = main(["extract", "--target", "bert-encoder:d=16,heads=1,ffn=8,layers=1,seed=1,positions=2", "--method",
+                 "encoder", "--verify", "32", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert code == 0 and row["model_check"]["verdict"] == "pass", row.get("error")
+    assert row["worst_rel_err"] <= 1e-9 and row["fidelity_max_rel_err"] <= 1e-9
+
+
+def test_the_repeat_check_after_a_refusal_asks_no_longer_sequences_than_the_encoder_answers():
+    """A refusal asks one sequence three times (dropout left on is refused as that): 4 tokens, fewer where the
+    encoder answers fewer (an encoder of 2 positions refused a 4-token query, and the run ended on that
+    instead of the refusal)."""
+    from headthief.errors import InvalidQuery, ModelMismatch
+    from headthief.extraction.precision import refuse_if_random
+    from headthief.targets import resolve
+    oracle = resolve("bert-encoder:d=8,heads=2,ffn=8,layers=1,seed=1,positions=2").make_oracle()
+    with pytest.raises(InvalidQuery):
+        refuse_if_random(oracle, ModelMismatch("a refusal"), what="The encoder method")
+    refuse_if_random(oracle, ModelMismatch("a refusal"), what="The encoder method", length=2)   # repeatable: no raise
+    assert oracle.queries == 3                                   # the refused 4-token query not counted

@@ -53,16 +53,20 @@ def test_a_parts_run_is_journaled_and_replays(tmp_path, capsys):
 
 
 def test_an_encoder_whose_blocks_plan_past_the_limit_gives_what_it_can(capsys):
-    """d = 96 with every layer's states and ``--max-tflop 1`` (the block plans about 3.9): LN_emb, the offsets,
-    every output LayerNorm (exact algebra) and block 0's stage V on LN_emb's image, the check passed, then exit 2
-    naming the plan and the limit."""
-    from headthief.extraction.block.encoder import blocks_too_large
-    assert blocks_too_large(96, 8, 1, 100) == "" and blocks_too_large(96, 8, 1, 1)
+    """d = 96 with every layer's states and ``--max-tflop 1`` (the block plans about 8.3 with sequences of at most 4
+    tokens, 3.9 with 16: a short encoder's fit asks more of them, ``fit_counts``): LN_emb, the offsets, every output
+    LayerNorm (exact algebra) and block 0's stage V on LN_emb's image, the check passed, then exit 2 naming the
+    plan and the limit."""
+    from headthief.extraction.block.arithmetic import image_planned
+    from headthief.extraction.block.encoder import POINTS, blocks_too_large
+    assert blocks_too_large(96, 8, 1, 100, heads=2, length=4) == "" and blocks_too_large(96, 8, 1, 1)
+    short, full = (sum(image_planned(96, 8, points=POINTS * 9, heads=2, lengths=L).values()) for L in ((2, 4), None))
+    assert short > 2 * full
     code = main(["extract", "--target", "bert-encoder:d=96,heads=2,ffn=8,layers=1,seed=2,positions=4", "--method", "encoder",
                  "--verify", "8", "--max-tflop", "1", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 2 and row["model_check"]["verdict"] == "pass"
-    assert f"the blocks: {blocks_too_large(96, 8, 1, 1)}" in row["error"]
+    assert f"the blocks: {blocks_too_large(96, 8, 1, 1, heads=2, length=4)}" in row["error"]
     assert row["ln_emb_gamma_rel_err"] <= 1e-9 and row["offsets_rel_err"] <= 1e-9
     assert row["ln_out_gamma_rel_err"] <= 1e-9 and row["ln_out_beta_rel_err"] <= 1e-9
     assert row["layers_seen"] == 1 and row["queries_sent"] == row["queries"] + 4 * 8

@@ -462,7 +462,8 @@ def _run_encoder(oracle, target, args, progress, clean=None):
     length = min(16, int(info.get("positions", 16)))
     rng = np.random.default_rng(args.seed)
     max_tflop = float(getattr(args, "max_tflop", MAX_TFLOP))
-    too_large = blocks_too_large(d, int(ffn), L, max_tflop) if ffn is not None and oracle.d_out != d else ""
+    too_large = (blocks_too_large(d, int(ffn), L, max_tflop, heads=int(heads) if heads else None, length=length)
+                 if ffn is not None and oracle.d_out != d else "")
     if oracle.d_out == d or too_large:
         # what is possible without taking a block apart; the run ends in exit 2 with those parts in the row
         if getattr(args, "ln_eps", None) is not None:

@@ -416,11 +416,12 @@ def token_scale(oracle: Oracle) -> float:
     return float(np.sqrt(d)) if R is None else min(float(np.sqrt(d)), 0.5 * R)
 
 
-def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str) -> None:
-    """After a refusal of the model class (``error``): one random sequence of 4 tokens of norm :func:`token_scale`
-    asked three times (:func:`check_repeatable`); answers that differ beyond
-    ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where the budget has no room."""
-    seq = np.random.default_rng(REPEAT_SEED).standard_normal((4, oracle.d))
+def refuse_if_random(oracle: Oracle, error: ModelMismatch, *, what: str, length: int = 4) -> None:
+    """After a refusal of the model class (``error``): one random sequence of ``length`` tokens (4; fewer for a
+    target that answers no longer ones) of norm :func:`token_scale` asked three times (:func:`check_repeatable`);
+    answers that differ beyond ``REPEAT_LIMIT`` raise that ModelMismatch instead, from ``error``. Skipped where
+    the budget has no room."""
+    seq = np.random.default_rng(REPEAT_SEED).standard_normal((max(1, int(length)), oracle.d))
     seq *= token_scale(oracle) / np.linalg.norm(seq, axis=1, keepdims=True)
     try:
         check_repeatable(oracle, seq, what=what)

@@ -101,22 +101,28 @@ IMAGE_FIT_ITERATIONS = 4500   # the image route's fit (heads first, then all): L
                               # 394 - 860 at d = 16, 517 - 697 at d = 32, float64: the refits' worst case kept)
 
 
-def image_planned(d: int, ffn: int, *, points: int, blocks: int = 1) -> dict[str, float]:
+def image_planned(d: int, ffn: int, *, points: int, blocks: int = 1, heads: int | None = None,
+                  lengths=None) -> dict[str, float]:
     """Floating-point operations of the image route's stages after V (:mod:`.on_image`, ``--method encoder``'s
     blocks): ``F span (full)``, stage F's span from ``points`` full tangent Jacobians (the full route's count
     above: there is no probe route on the image), and ``fit``, the heads' fit and then every parameter's over
     :func:`.block_refit.fit_counts`' sequences (a forward and backward pass, :data:`IMAGE_FIT_ITERATIONS` times);
-    for ``blocks`` such blocks (an encoder's). Stage F's retries at 2x and 4x the points are not counted."""
-    from .block_refit import fit_counts
+    for ``blocks`` such blocks (an encoder's). ``heads`` and ``lengths`` (the sequence lengths the fit may ask;
+    default REFIT_LENGTHS): the fit's sequences as :func:`.block_refit.fit_counts` draws them with every head's
+    scores told (more of the longest length where the lengths are short). Stage F's retries at 2x and 4x the
+    points are not counted."""
+    from .block_refit import REFIT_LENGTHS, fit_counts
     step = _full_span_step(max(int(points), 2 * d), d, ffn + 1)
-    positions = _positions(d, ffn, fit_counts(d, ffn))
+    positions = _positions(d, ffn, fit_counts(d, ffn, heads=heads,
+                                              lengths=REFIT_LENGTHS if lengths is None else lengths))
     return {"F span (full)": blocks * SPAN_STEPS * step, "fit": blocks * IMAGE_FIT_ITERATIONS * positions}
 
 
-def image_too_large(d: int, ffn: int, *, points: int, max_tflop: float, blocks: int = 1) -> str:
+def image_too_large(d: int, ffn: int, *, points: int, max_tflop: float, blocks: int = 1, heads: int | None = None,
+                    lengths=None) -> str:
     """Why the blocks on a LayerNorm's image are not taken apart at width d with FFN ``ffn`` (a sentence
     naming the plan and the limit), or "" when :func:`image_planned` is within ``max_tflop`` TFLOP."""
-    plan = image_planned(d, ffn, points=points, blocks=blocks)
+    plan = image_planned(d, ffn, points=points, blocks=blocks, heads=heads, lengths=lengths)
     if not over_limit(plan, max_tflop):
         return ""
     what = "the block" if blocks == 1 else f"the {blocks} blocks"

@@ -27,6 +27,7 @@ MAX_ITER = 20000
 REFIT_LENGTHS = (2, 4, 8, 16)      # the random sequences' lengths (extract._refit_sequences asks them)
 NAMES = ("Q", "K", "bq", "V", "Wo", "bo", "g1", "W1", "b1", "W2", "b2", "g2", "be2")
 LN_EPS_MODES = ("off", "fixed", "fit")
+SCORE_FACTOR = 3    # the image fit's sequences: each head's score unknowns told at least this many times (fit_counts)
 
 
 def parameter_count(d: int, ffn: int) -> int:
@@ -41,13 +42,34 @@ def refit_counts(d: int, ffn: int) -> list[int]:
     return [-(-per // T) for T in REFIT_LENGTHS]
 
 
-def fit_counts(d: int, ffn: int, positions: int | None = None) -> list[int]:
-    """Sequences per length in REFIT_LENGTHS for the image route's fit (:mod:`.on_image`): a quarter of
-    ``positions`` answered positions each (default ``max(1000, 8 x parameters / d)``: the fit starts from stages
-    L, V, F's exact parts, so a quarter of what the float32 refit takes is enough; measured in docs/block.md)."""
+def fit_counts(d: int, ffn: int, positions: int | None = None, *, heads: int | None = None,
+               lengths=REFIT_LENGTHS) -> list[int]:
+    """Sequences per length in ``lengths`` (REFIT_LENGTHS or its first few: an encoder answering shorter
+    sequences) for the image route's fit (:mod:`.on_image`): a quarter of ``positions`` answered positions each
+    (default ``max(1000, 8 x parameters / d)``: the fit starts from stages L, V, F's exact parts, so a quarter of
+    what the float32 refit takes is enough; measured in docs/block.md).
+
+    With ``heads``, the sequences also tell each head's scores at least :data:`SCORE_FACTOR` times over: a row
+    of T tokens gives a head T - 1 softmax differences, and the head's score form ``Q_h^T K_h`` (rank d_h) has
+    ``d_h (2 d - d_h)`` unknowns. Short of that the longest length gets more sequences. It binds where the
+    lengths are short (measured: encoders of 4 positions at d = 64 and 96, 2 heads, had 0.73x and 0.47x, and
+    the heads' fit stalled at in-sample 8.7e-3 and 9.4e-3 on every try; d = 32 with 1.6x was extracted)."""
     if positions is None:
         positions = max(1000, 8 * parameter_count(d, ffn) // d)
-    return [-(-int(positions) // (len(REFIT_LENGTHS) * T)) for T in REFIT_LENGTHS]
+    lengths = tuple(int(T) for T in lengths)
+    counts = [-(-int(positions) // (len(REFIT_LENGTHS) * T)) for T in lengths]
+    if heads and lengths:
+        dh = d // int(heads)
+        short = SCORE_FACTOR * dh * (2 * d - dh) - score_rows(counts, lengths)
+        if short > 0:
+            T = lengths[-1]
+            counts[-1] += -(-short // (T * (T - 1)))
+    return counts
+
+
+def score_rows(counts, lengths=REFIT_LENGTHS) -> int:
+    """The softmax differences a head's scores get from ``counts`` sequences per length: ``n T (T - 1)``."""
+    return int(sum(int(n) * int(T) * (int(T) - 1) for n, T in zip(counts, lengths)))
 
 
 def params_of(block) -> dict:
@@ -248,5 +270,5 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
                  "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if ln_eps == "fit" else {})}
 
 
-__all__ = ["REFIT_LENGTHS", "fit_counts", "gauged", "loss_and_grad", "parameter_count", "params_of", "refit_block",
-           "refit_counts"]
+__all__ = ["REFIT_LENGTHS", "SCORE_FACTOR", "fit_counts", "gauged", "loss_and_grad", "parameter_count", "params_of",
+           "refit_block", "refit_counts", "score_rows"]

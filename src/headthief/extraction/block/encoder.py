@@ -330,13 +330,16 @@ def _pairs(paths: _Paths, k: int, rng, counts, lengths) -> list:
     return out
 
 
-def blocks_too_large(d: int, ffn: int, layers: int, max_tflop: float | None = None) -> str:
+def blocks_too_large(d: int, ffn: int, layers: int, max_tflop: float | None = None, *, heads: int | None = None,
+                     length: int | None = None) -> str:
     """Why ``--method encoder`` does not take the ``layers`` blocks apart (the plan of
     :func:`.arithmetic.image_planned` at :data:`POINTS` (ffn + 1) points a block, over ``max_tflop``, default
-    :data:`.arithmetic.MAX_TFLOP`), or ""."""
+    :data:`.arithmetic.MAX_TFLOP`; with ``heads`` and the longest sequence ``length``, the fit's sequences as
+    they will be drawn), or ""."""
     from .arithmetic import MAX_TFLOP, image_too_large
-    return image_too_large(d, int(ffn), points=POINTS * (int(ffn) + 1), blocks=int(layers),
-                           max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
+    lengths = None if length is None else [T for T in REFIT_LENGTHS if T <= int(length)]
+    return image_too_large(d, int(ffn), points=POINTS * (int(ffn) + 1), blocks=int(layers), heads=heads,
+                           lengths=lengths, max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
 
 
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
@@ -363,7 +366,7 @@ def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: n
                                 check=check, check_rng=check_rng, positions=positions, progress=progress,
                                 activation=activation, ln_eps=ln_eps, max_tflop=max_tflop)
     except ModelMismatch as e:
-        refuse_if_random(oracle, e, what="The encoder method")
+        refuse_if_random(oracle, e, what="The encoder method", length=min(4, int(length)))
         raise
 
 
@@ -385,7 +388,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
     if int(heads) < 1 or d % int(heads):
         raise SpecError(f"heads={heads} must divide d={d}")
     check_span_fits(d, int(ffn))
-    too_large = blocks_too_large(d, int(ffn), layers, max_tflop)
+    too_large = blocks_too_large(d, int(ffn), layers, max_tflop, heads=int(heads), length=length)
     if too_large:                                                       # refused before the first query
         raise SpecError(f"{too_large} (encoder_parts.extract_encoder_parts reads what is possible at this size)")
     t0 = time.perf_counter()
@@ -440,7 +443,8 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
 
         def fit_pairs():
             if not groups:
-                groups.extend(_pairs(paths, k, rng, fit_counts(d, int(ffn), positions)[:len(lens)], lens))
+                groups.extend(_pairs(paths, k, rng, fit_counts(d, int(ffn), positions, heads=int(heads),
+                                                          lengths=lens), lens))
             return groups
         # the fit's own residual sets the threshold only once it is within 100x the answers' precision (30 eps;
         # for float64 1e-12: the paths through earlier blocks, measured in-sample 1e-12 .. 3e-12 at d = 8): a

@@ -103,11 +103,12 @@ def start_block(ln, ivs: ImageValueSum, part, heads: int, rng: np.random.Generat
 
 
 def _sequences(oracle: Oracle, image: LayerNormImage, rng: np.random.Generator, ffn: int,
-               positions: int | None) -> list:
-    """Random image sequences for the fit (:func:`fit_counts`), answered: ``[(X, Y), ...]``."""
+               positions: int | None, heads: int) -> list:
+    """Random image sequences for the fit (:func:`fit_counts`, every head's scores told), answered:
+    ``[(X, Y), ...]``."""
     d = image.d
     out = []
-    for T, n in zip(REFIT_LENGTHS, fit_counts(d, ffn, positions)):
+    for T, n in zip(REFIT_LENGTHS, fit_counts(d, ffn, positions, heads=heads)):
         X = image.tokens(image.points(rng, n * T)).reshape(n, T, d)
         out.append((X, np.asarray(oracle.query(X), dtype=np.float64)))
     return out
@@ -182,7 +183,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
         mark("F", q0)
         q0 = oracle.queries
         start = start_block(ln, ivs, part, int(heads), rng, ln_eps)
-        groups = groups or _sequences(oracle, image, rng, int(ffn), positions)
+        groups = groups or _sequences(oracle, image, rng, int(ffn), positions, int(heads))
         # the heads alone first (~10x fewer steps), then every parameter. A told eps is held, not fitted: on the
         # image the answers barely see it, and fits from this start drove it where it moves nothing and stopped
         # there (measured: an encoder's block 1, eps 1e-5 fitted as 1e-10, fit rms 9.8e-7 and fidelity 2e-5;
