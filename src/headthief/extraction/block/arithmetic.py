@@ -59,10 +59,11 @@ def _full_span_step(T: int, d: int, r: int) -> float:
     return T * (28.0 * d * d * r + 11.0 * d ** 3) + _svd(T, d * d)
 
 
-def _positions(d: int, ffn: int, counts) -> float:
-    """A refit's forward and backward pass over ``counts`` sequences per length in REFIT_LENGTHS."""
+def _positions(d: int, ffn: int, counts, lengths=None) -> float:
+    """A refit's forward and backward pass over ``counts`` sequences per length in ``lengths`` (REFIT_LENGTHS)."""
     from .block_refit import REFIT_LENGTHS
-    return sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d) for L, n in zip(REFIT_LENGTHS, counts))
+    return sum(n * L * 3.0 * (8 * d * d + 4 * d * ffn + 4 * L * d)
+               for L, n in zip(REFIT_LENGTHS if lengths is None else lengths, counts))
 
 
 def planned(d: int, ffn: int, *, probes: bool, coarse: bool) -> dict[str, float]:
@@ -112,9 +113,9 @@ def image_planned(d: int, ffn: int, *, points: int, blocks: int = 1, heads: int 
     scores told (more of the longest length where the lengths are short). Stage F's retries at 2x and 4x the
     points are not counted."""
     from .block_refit import REFIT_LENGTHS, fit_counts
+    lengths = REFIT_LENGTHS if lengths is None else lengths
     step = _full_span_step(max(int(points), 2 * d), d, ffn + 1)
-    positions = _positions(d, ffn, fit_counts(d, ffn, heads=heads,
-                                              lengths=REFIT_LENGTHS if lengths is None else lengths))
+    positions = _positions(d, ffn, fit_counts(d, ffn, heads=heads, lengths=lengths), lengths)
     return {"F span (full)": blocks * SPAN_STEPS * step, "fit": blocks * IMAGE_FIT_ITERATIONS * positions}
 
 

@@ -42,6 +42,12 @@ def refit_counts(d: int, ffn: int) -> list[int]:
     return [-(-per // T) for T in REFIT_LENGTHS]
 
 
+def fit_lengths(length: int | None = None) -> tuple[int, ...]:
+    """The sequence lengths of REFIT_LENGTHS the image route's fit asks of a target answering at most ``length``
+    tokens (None: all of them); what :func:`fit_counts` is given, and its plan (:func:`.arithmetic.image_planned`)."""
+    return tuple(REFIT_LENGTHS) if length is None else tuple(T for T in REFIT_LENGTHS if T <= int(length))
+
+
 def fit_counts(d: int, ffn: int, positions: int | None = None, *, heads: int | None = None,
                lengths=REFIT_LENGTHS) -> list[int]:
     """Sequences per length in ``lengths`` (REFIT_LENGTHS or its first few: an encoder answering shorter
@@ -270,5 +276,5 @@ def refit_block(block, groups, *, max_iter: int = MAX_ITER, progress=None, free=
                  "block_refit_message": message, **({"block_refit_ln_eps": float(new.eps)} if ln_eps == "fit" else {})}
 
 
-__all__ = ["REFIT_LENGTHS", "SCORE_FACTOR", "fit_counts", "gauged", "loss_and_grad", "parameter_count", "params_of",
+__all__ = ["REFIT_LENGTHS", "SCORE_FACTOR", "fit_counts", "fit_lengths", "gauged", "loss_and_grad", "parameter_count", "params_of",
            "refit_block", "refit_counts", "score_rows"]

@@ -50,15 +50,15 @@ import numpy as np
 from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output, unpack
 from ...oracles.base import Oracle
-from .block_refit import refit_block
+from .block_refit import fit_counts, fit_lengths, refit_block
 from .embeddings import Embeddings, embedding_stage
-from .extract import CHECK_FACTOR, REFIT_LENGTHS
+from .extract import CHECK_FACTOR
 from .ffn import check_span_fits
 from .ffn_image import MAX_CONDITION, _dm, best_conditioned, condition_cap, extract_ffn_on_image, ln1_input
 from .image import LayerNormImage
 from .layernorm import check_on_ellipsoid, fit_output_layernorm
 from .lbfgs import SLOW_GAIN
-from .on_image import GOOD_FACTOR, HEADS, answer_precision, fit_counts, image_block_errors, start_block
+from .on_image import GOOD_FACTOR, HEADS, answer_precision, image_block_errors, start_block
 from .smoothness import check_smooth_activation
 from .value_sum import BASES, COARSE, RANK_MARGIN, centre, stencil_derivative
 from .value_sum_image import ImageValueSum, retrying, solve_bases
@@ -337,9 +337,8 @@ def blocks_too_large(d: int, ffn: int, layers: int, max_tflop: float | None = No
     :data:`.arithmetic.MAX_TFLOP`; with ``heads`` and the longest sequence ``length``, the fit's sequences as
     they will be drawn), or ""."""
     from .arithmetic import MAX_TFLOP, image_too_large
-    lengths = None if length is None else [T for T in REFIT_LENGTHS if T <= int(length)]
     return image_too_large(d, int(ffn), points=POINTS * (int(ffn) + 1), blocks=int(layers), heads=heads,
-                           lengths=lengths, max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
+                           lengths=fit_lengths(length), max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
 
 
 def extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: np.random.Generator | int = 0,
@@ -430,7 +429,7 @@ def _extract_encoder(oracle: Oracle, *, layers: int, heads: int, ffn: int, rng: 
     for k in range(len(blocks), layers):
         describe(f"block {k} of {layers}")
         q0 = oracle.queries
-        lens = [T for T in REFIT_LENGTHS if T <= length]
+        lens = fit_lengths(length)
         Xl, Yl = _pairs(paths, k, rng, [-(-(2 * d + 8) // length)], [length])[0]
         ln = fit_output_layernorm(Yl.reshape(-1, d))
         eps, kind = answer_precision(oracle, Yl.reshape(-1, d))

@@ -141,7 +141,7 @@ def extract_block_on_image(oracle: Oracle, image: LayerNormImage, *, heads: int,
                         "--method encoder (stage E); on a LayerNorm's image the fits hold the eps: give its value")
     d = oracle.d
     check_span_fits(d, int(ffn))                  # before the first query
-    too_large = image_too_large(d, int(ffn), points=default_points(d, int(ffn)),
+    too_large = image_too_large(d, int(ffn), points=default_points(d, int(ffn)), heads=int(heads),
                                 max_tflop=MAX_TFLOP if max_tflop is None else float(max_tflop))
     if too_large:
         raise SpecError(too_large)
