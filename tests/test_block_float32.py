@@ -122,9 +122,26 @@ def _heads_of(block):
                  W=np.stack([can.W(h) for h in range(block.heads)]), c=np.array(can.C))
 
 
-def test_method_block_with_float32_answers():
+@pytest.fixture(scope="module")
+def seed41_run():
+    """One ``--method block`` run of a float32 block, shared by the two tests below, with stage F's one-token
+    check (:func:`~headthief.extraction.block.extract.check_one_token`) watched: ``(report, its outputs)``."""
+    from headthief.extraction.block import extract as ex
+    real, calls = ex.check_one_token, []
+
+    def kept(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(out)
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ex, "check_one_token", kept)
+        rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32", "block", verify=64)
+    return rep, calls
+
+
+def test_method_block_with_float32_answers(seed41_run):
     """``--method block`` on a float32 block end to end: every part within 1e-4 (the MiniLM line's level)."""
-    rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32", "block", verify=64)
+    rep = seed41_run[0]
     r = rep.row
     assert rep.ok and r["model_check"]["verdict"] == "pass"
     parts = ("ln2_gamma_rel_err", "ln2_beta_rel_err", "B_rel_err", "b_rel_err", "ln1_gamma_rel_err", "W1_rel_err",
@@ -140,19 +157,12 @@ def test_method_block_with_float32_answers():
     assert mc["verify_queries"] == 64 + 72 and mc["noise"] is not None and "x the answers' own noise" in mc["detail"]
 
 
-def test_the_model_check_reads_the_refitted_blocks_one_token_map_on_stage_fs_check_tokens(monkeypatch):
+def test_the_model_check_reads_the_refitted_blocks_one_token_map_on_stage_fs_check_tokens(seed41_run):
     """F+ may stop at F_TARGET x the answers' noise; the block refit R then refines the one-token map further.
     The model check's parts' precision is the final block's one-token fidelity, read on the 64 fresh tokens of
     stage F's check (fitted by neither refit) at no extra query, not F+'s."""
     from headthief.extraction.block import extract as ex
-    real, calls = ex.check_one_token, []
-
-    def kept(*a, **kw):
-        out = real(*a, **kw)
-        calls.append(out)
-        return out
-    monkeypatch.setattr(ex, "check_one_token", kept)
-    rep = ht.extract("bert-block:d=12,heads=2,ffn=12,seed=41,dtype=float32", "block", verify=64)
+    rep, calls = seed41_run
     r, mc = rep.row, rep.row["model_check"]
     assert rep.ok and mc["verdict"] == "pass" and len(calls) == 1
     X, Y = calls[0]["tokens"], calls[0]["answers"]

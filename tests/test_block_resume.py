@@ -295,9 +295,11 @@ def test_the_checkpoint_interval_from_the_environment(monkeypatch):
 def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypatch, capsys):
     """The probe route's neuron search (hours at MiniLM's size) keeps its state as ``F-search``: a run killed
     in the search reads stage F again (its answers replayed from the journal), finds the same span bit for bit
-    and goes on from the kept starts; the result and the queries are the uninterrupted run's."""
+    and goes on from the kept starts; the result and the queries are the uninterrupted run's. (float64: the
+    search is the same code, and the refits after it, which float32 answers add, are not what is tested.)"""
     from headthief.extraction.block import ffn
-    whole = ht.extract(SPEC, "block", verify=64, stage_f="probes")
+    spec = SPEC.replace(",dtype=float32", "")
+    whole = ht.extract(spec, "block", verify=64, stage_f="probes")
     journal = str(tmp_path / "j.sqlite")
     real, steps, kept = ffn._power_step, [0], []
 
@@ -316,7 +318,7 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     monkeypatch.setattr(resume, "EVERY", 0.0)
     monkeypatch.setattr(ffn, "_power_step", dies_in_the_search)
     with pytest.raises(Cut):
-        ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
+        ht.extract(spec, "block", verify=64, stage_f="probes", journal=journal)
     assert len(kept) == 1 and '"F-search"' in kept[0]
     from headthief.cli import main
     assert main(["journal", "show", journal]) == 0                  # where the search stands, without running it
@@ -324,7 +326,7 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     got = re.search(r"after F-search \(([\d,]+) neurons found in ([\d,]+) starts\)", capsys.readouterr().out)
     assert got is not None and 2 <= int(got[1]) < 12 and int(got[2]) >= 64
     monkeypatch.setattr(ffn, "_power_step", real)
-    rep = ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)
+    rep = ht.extract(spec, "block", verify=64, stage_f="probes", journal=journal)
     r, full = rep.row, whole.row
     assert rep.ok and r["resumed_from"] == "F-search" and r["neuron_search_resumed_from"] > 0
     assert r["queries"] == full["queries"] and r["queries_restored"] == (
@@ -332,8 +334,8 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     assert 0 < r["queries_replayed"] < full["queries_stage_F"]        # stage F's answers before the cut, replayed
     for name in ("W1", "W2", "b1", "ln1_gamma", "ln2_gamma"):          # the uninterrupted run's, bit for bit
         assert np.array_equal(getattr(rep.result.block, name), getattr(whole.result.block, name))
-    other = ht.extract(SPEC, "block", verify=64, stage_f="probes", journal=journal)   # finished: nothing redone
-    assert other.row["resumed_from"] == "R" and other.row["queries_fresh"] == 0
+    other = ht.extract(spec, "block", verify=64, stage_f="probes", journal=journal)   # finished: nothing redone
+    assert other.row["resumed_from"] == "A" and other.row["queries_fresh"] == 0     # float64's last stage
 
 
 def test_journal_show_says_where_a_run_stands(tmp_path, capsys):

@@ -157,3 +157,29 @@ def test_rope_layer_given_to_the_vector_method_is_a_model_mismatch():
     rep = ht.extract("rope-mha:d=16,heads=2,seed=1", method="vector", raise_errors=False, verify=32)
     assert rep.exit_code == 5, rep.row
     assert "does not behave like a multi-head attention layer" in rep.row["error"] and rep.row["W_rel_err"] is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_stage_c_reads_every_querys_weights_at_once_as_one_at_a_time(causal):
+    """Stage C's weights for a stack of queries (one batched QR) are :func:`joint_weights`' for each query and
+    position alone, and a design too poor for the QR (two equal tokens) is solved on its own, as gelsy solves it."""
+    from headthief.extraction.vector.scores import _lstsq, _run_weights, _solve_stack, joint_weights
+    rng = np.random.default_rng(7)
+    H, d, n, nq = 2, 12, 5, 6
+    O = rng.standard_normal((H, d, d))
+    X = rng.standard_normal((nq, n, d))
+    Y = rng.standard_normal((nq, n, d))
+    G = np.einsum("hod,qnd->qhon", O, X)
+    got = _run_weights(G, Y, list(range(n)), causal)
+    assert sorted(got) == (list(range(1, n)) if causal else list(range(n)))
+    for t, w in got.items():
+        vis = np.arange(t + 1) if causal else np.arange(n)
+        for q in range(nq):
+            np.testing.assert_allclose(w[q], joint_weights(G[q], vis, Y[q, t]), rtol=0, atol=1e-10)
+    F = rng.standard_normal((3, 20, 4))
+    F[1, :, 3] = F[1, :, 2]                         # rank 3 of 4: the QR's triangle is singular
+    R = rng.standard_normal((3, 20, 2))
+    w = _solve_stack(F, R)
+    assert np.all(np.isfinite(w))
+    for q in range(3):
+        np.testing.assert_allclose(w[q], _lstsq(F[q], R[q]), rtol=0, atol=1e-10)

@@ -61,27 +61,6 @@ def joint_weights(G: np.ndarray, vis: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.hstack([w, 1.0 - w.sum(1, keepdims=True)])
 
 
-def _weights(G: np.ndarray, y: np.ndarray, positions, causal: bool) -> dict:
-    """Attention weights of every head at every read position of one query (``y``: (positions, d_out)
-    answers minus b). Bidirectional: one design for all positions, one solve with many right-hand sides."""
-    n = G.shape[2]
-    out = {}
-    if not causal:
-        H = G.shape[0]
-        last = G[:, :, n - 1]
-        F = (G[:, :, :n - 1] - last[:, :, None]).transpose(1, 0, 2).reshape(G.shape[1], H * (n - 1))
-        rhs = np.stack([y[i] - last.sum(0) for i in range(len(positions))], 1)
-        w = _lstsq(F, rhs)
-        for i, t in enumerate(positions):
-            wt = w[:, i].reshape(H, n - 1)
-            out[t] = np.hstack([wt, 1.0 - wt.sum(1, keepdims=True)])
-        return out
-    for i, t in enumerate(positions):
-        if t >= 1:
-            out[t] = joint_weights(G, np.arange(t + 1), y[i])
-    return out
-
-
 @dataclass(frozen=True)
 class Reads:
     """Stage C's queries and answers, kept so that the fit can be re-run when the O_h improve."""
@@ -154,55 +133,114 @@ def read_scores(oracle: Oracle, b: np.ndarray, O: np.ndarray, rng: np.random.Gen
     return fit_scores(reads, b, O, rng), reads
 
 
+def _solve_stack(F: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """``argmin_w |F_q w - R_q|`` for every q of a stack (F: (q, m, k), full column rank; R: (q, m, p)) by one
+    batched QR (the least-squares solution :func:`_lstsq` gives on full-rank designs, to rounding). A design
+    whose triangle is nearly singular is solved by :func:`_lstsq` on its own."""
+    Qm, Rm = np.linalg.qr(F)
+    diag = np.abs(np.diagonal(Rm, axis1=-2, axis2=-1))
+    poor = diag.min(-1) <= 1e-12 * np.maximum(diag.max(-1), 1e-300)
+    if np.any(poor):
+        Rm = Rm.copy()
+        Rm[poor] = np.eye(Rm.shape[-1])              # solved below on their own
+    w = np.linalg.solve(Rm, Qm.swapaxes(-1, -2) @ R)
+    for q in np.flatnonzero(poor):
+        w[q] = _lstsq(F[q], R[q])
+    return w
+
+
+def _run_weights(G: np.ndarray, Y: np.ndarray, positions, causal: bool) -> dict:
+    """Every head's attention weights at every read position of a stack of queries (the weights of
+    :func:`joint_weights`, for all positions and queries at once; bidirectional: one design a query for all its
+    positions): ``G`` (q, H, d_out, n), ``Y`` (q, positions, d_out) answers minus b; ``{t: (q, H, visible)
+    weights}``."""
+    nq, H, do, n = G.shape
+    out = {}
+    if not causal:
+        last = G[..., n - 1]                                                   # (q, H, d_out)
+        F = (G[..., :n - 1] - last[..., None]).transpose(0, 2, 1, 3).reshape(nq, do, H * (n - 1))
+        rhs = (Y - last.sum(1)[:, None, :]).transpose(0, 2, 1)               # (q, d_out, positions)
+        w = _solve_stack(F, rhs).reshape(nq, H, n - 1, len(positions))
+        for i, t in enumerate(positions):
+            wt = w[..., i]
+            out[t] = np.concatenate([wt, 1.0 - wt.sum(-1, keepdims=True)], -1)
+        return out
+    for i, t in enumerate(positions):
+        if t < 1:
+            continue
+        last = G[..., t]
+        F = (G[..., :t] - last[..., None]).transpose(0, 2, 1, 3).reshape(nq, do, H * t)
+        w = _solve_stack(F, (Y[:, i] - last.sum(1))[..., None])[..., 0].reshape(nq, H, t)
+        out[t] = np.concatenate([w, 1.0 - w.sum(-1, keepdims=True)], -1)
+    return out
+
+
+def _runs(group):
+    """The consecutive reads of one group that share a layout (the same anchor slots): ``(idx, X, answers)``
+    stacked, with the reads' positions in the group."""
+    runs, start = [], 0
+    for k in range(1, len(group) + 1):
+        if k == len(group) or group[k][1] != group[start][1]:
+            part = group[start:k]
+            runs.append((part[0][1], np.stack([X for X, _, _ in part]), np.stack([Y for _, _, Y in part]), start))
+            start = k
+    return runs
+
+
 def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Generator) -> Scores:
     """Every head's key and query spaces and its score core from the answers of :func:`read_scores`,
-    with the output maps ``O``; no query is sent (run again when the ``O_h`` improve)."""
+    with the output maps ``O``; no query is sent (run again when the ``O_h`` improve). The reads of one
+    layout are taken together (one batched solve for their weights, masks for the log ratios); the equations
+    come out in the order of one read at a time (query, position, token), so the fit is that order's."""
     H, _, d = O.shape
     r = int(np.linalg.matrix_rank(O[0], tol=1e-8 * np.linalg.norm(O[0], 2)))
     n, m, causal, last = reads.n, reads.m, reads.causal, reads.last
+    positions = [n - 1] if last else list(range(n))
     key_rows = [[] for _ in range(H)]     # per head: key-space vectors g_h(k) = W_h k + c_h
     qry_rows = [[] for _ in range(H)]     # per head: query-space vectors W_h^T (k_i - k_0)
-    eqs = [([], [], [], []) for _ in range(H)]   # per head: (query, t, i, j), D, weight of every score difference
+    eqs = [[] for _ in range(H)]          # per head: arrays (query, t, i, j, D, weight) of score differences
     Xs = np.stack([X for group in reads.groups for X, _, _ in group])   # (queries, n, d): rows built at the end
-    qid = -1
+    q0 = 0
     nreads = 0
     for group in reads.groups:
-        at_anchor = [[[] for _ in range(m)] for _ in range(H)]    # (directions, D) per head per anchor
-        anchor_diffs = [[] for _ in range(H)]                      # (x_t, D(k_i) - D(k_0) for i >= 1)
-        for X, idx, Yq in group:
-            qid += 1
-            positions = [n - 1] if last else list(range(n))
-            G = np.einsum("hod,nd->hon", O, X)
-            W_all = _weights(G, Yq - b, positions, causal)
+        at_anchor = [[[] for _ in range(m)] for _ in range(H)]    # (directions, D, weight) per head per anchor
+        anchor_diffs = [[] for _ in range(H)]                      # (query, t, x_t, D(k_i) - D(k_0), weight)
+        for idx, X, Yq, first in _runs(group):
+            nq = len(X)
+            qids = q0 + first + np.arange(nq)
+            G = np.einsum("hod,qnd->qhon", O, X)
+            W_all = _run_weights(G, Yq - b, positions, causal)
             for t in positions:
                 if t not in W_all:
                     continue
-                vis = np.arange(t + 1) if causal else np.arange(n)
-                nreads += 1
-                aw = W_all[t]
+                nreads += nq
+                aw = W_all[t]                                       # (q, H, visible)
+                nv = aw.shape[-1]
+                anc = {a_i: p for p, a_i in idx.items() if a_i is not None and p < nv}
+                full = all(i in anc for i in range(m))
                 for h in range(H):
-                    a = aw[h]
-                    ref = int(np.argmax(a))
-                    ok = a > FLOOR * a[ref]
+                    a = aw[:, h]
+                    ref = np.argmax(a, axis=1)
+                    aref = a[np.arange(nq), ref]
+                    ok = a > FLOOR * aref[:, None]
                     with np.errstate(divide="ignore", invalid="ignore"):
-                        L = np.where(ok, np.log(np.where(ok, a, 1.0)), np.nan) - np.log(a[ref])
-                    sel = np.flatnonzero(ok & (np.arange(len(vis)) != ref))
-                    E = X[vis[sel]] - X[vis[ref]]
-                    ee, _, DD, ww = eqs[h]
-                    ee.append(np.stack([np.full(len(sel), qid), np.full(len(sel), t), vis[sel],
-                                        np.full(len(sel), vis[ref])], 1))
-                    DD.append(L[sel])
-                    ww.append(a[sel] * a[ref] / (a[sel] + a[ref]))     # 1 / std of a log ratio
-                    if idx.get(t) is not None:                  # an anchor's position: its g_h read
-                        at_anchor[h][idx[t]].append((E, L[sel], ww[-1]))
-                    # anchor score differences at this position (anchors visible, both read)
-                    pos_of = {v: i for i, v in enumerate(vis)}
-                    anc = [p for p, a_i in idx.items() if a_i is not None and p in pos_of]
-                    anc_by = {idx[p]: pos_of[p] for p in anc}
-                    if 0 in anc_by and all(i in anc_by for i in range(1, m)):
-                        vals = np.array([L[anc_by[i]] - L[anc_by[0]] for i in range(1, m)])
-                        if np.all(np.isfinite(vals)):
-                            anchor_diffs[h].append((X[t], vals, float(min(a[anc_by[i]] for i in range(m)))))
+                        L = np.where(ok, np.log(np.where(ok, a, 1.0)), np.nan) - np.log(aref)[:, None]
+                    sel = ok & (np.arange(nv)[None, :] != ref[:, None])
+                    qs, js = np.nonzero(sel)                        # read by read, tokens in order
+                    D = L[qs, js]
+                    w = a[qs, js] * aref[qs] / (a[qs, js] + aref[qs])     # 1 / std of a log ratio
+                    eqs[h].append(np.column_stack([qids[qs], np.full(len(qs), t), js, ref[qs], D, w]))
+                    if idx.get(t) is not None:                      # an anchor's position: its g_h read
+                        E = X[qs, js] - X[qs, ref[qs]]
+                        at_anchor[h][idx[t]].append((E, D, w))
+                    if full:                                        # anchor score differences at this position
+                        cols = [anc[i] for i in range(m)]
+                        vals = L[:, cols[1:]] - L[:, cols[:1]]
+                        good = np.all(np.isfinite(vals), axis=1)
+                        if np.any(good):
+                            anchor_diffs[h].append((qids[good], np.full(int(good.sum()), t), X[good, t], vals[good],
+                                                    a[good][:, cols].min(1)))
+        q0 += len(group)
         for h in range(H):
             for i in range(m):
                 lst = at_anchor[h][i]
@@ -215,13 +253,14 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                     sol, _, rank_E, _ = np.linalg.lstsq(E * w[:, None], D * w, rcond=None)
                     if rank_E == d:                     # (lstsq's own rank: no second SVD)
                         key_rows[h].append(sol)
-            if len(anchor_diffs[h]) >= d + 1:
-                Xt = np.array([np.append(x, 1.0) for x, _, _ in anchor_diffs[h]])
-                V = np.array([v for _, v, _ in anchor_diffs[h]])
-                w = np.array([x for _, _, x in anchor_diffs[h]])
-                sol, _, rank_X, _ = np.linalg.lstsq(Xt * w[:, None], V * w[:, None], rcond=None)   # (d + 1, m - 1)
-                if rank_X == d + 1:
-                    qry_rows[h] += list(sol[:d].T)
+            if anchor_diffs[h]:
+                qq, tt, xt, V, w = (np.concatenate([x[k] for x in anchor_diffs[h]]) for k in range(5))
+                if len(qq) >= d + 1:
+                    order = np.lexsort((tt, qq))            # read by read, as the reads were taken
+                    Xt = np.hstack([xt[order], np.ones((len(qq), 1))])
+                    sol, _, rank_X, _ = np.linalg.lstsq(Xt * w[order, None], V[order] * w[order, None], rcond=None)
+                    if rank_X == d + 1:
+                        qry_rows[h] += list(sol[:d].T)
     A, B, C, rms = [], [], [], []
     for h in range(H):
         Ka = np.array(key_rows[h]).T if key_rows[h] else np.zeros((d, 0))
@@ -231,7 +270,9 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                                   f"were read (need {r} each)")
         Ak = np.linalg.svd(Ka, full_matrices=False)[0][:, :r]
         Bq = np.linalg.svd(Qa, full_matrices=False)[0][:, :r]
-        ee, DD, ww = (np.concatenate(eqs[h][k]) for k in (0, 2, 3))
+        rows = np.concatenate(eqs[h])
+        rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]     # read by read, tokens in order
+        ee, DD, ww = rows[:, :4].astype(np.int64), rows[:, 4], rows[:, 5]
         if len(DD) > 20000:
             pick = rng.choice(len(DD), 20000, replace=False)
             ee, DD, ww = ee[pick], DD[pick], ww[pick]
