@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import BudgetExceeded, ModelMismatch, NotIdentifiable
 from ..oracles.base import Oracle, oracle_stack
+from ..linalg import pinv
 
 SINGLE = "single-head attention"
 MULTI = "multi-head attention"
@@ -236,7 +237,7 @@ def answer_noise(y_segments: np.ndarray) -> float | None:
         return None
     ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
     V = np.vander(ts, 3)
-    P = V @ np.linalg.pinv(V)
+    P = V @ pinv(V)
     r = Y - Y @ P.T
     s = np.sqrt(np.sum(r ** 2, axis=1) / (NOISE_POINTS - 3))
     return float(np.median(s))
@@ -255,7 +256,7 @@ def vector_answer_noise(answers) -> float | None:
         return None
     ts = np.linspace(-1.0, 1.0, NOISE_POINTS)
     V = np.vander(ts, 3)
-    P = V @ np.linalg.pinv(V)
+    P = V @ pinv(V)
     s = []
     for i in range(0, len(A) - NOISE_POINTS + 1, NOISE_POINTS):
         Y = np.stack(A[i:i + NOISE_POINTS])

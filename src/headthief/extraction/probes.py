@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import ConvergenceError, NotIdentifiable
 from ..oracles.base import Oracle
+from ..linalg import svd
 
 Progress = Callable[[int], None] | None
 
@@ -391,5 +392,5 @@ class AnswerPrecision:
 
 def numerical_rank(W: np.ndarray, rtol: float) -> int:
     """Number of singular values above ``rtol`` times the largest."""
-    s = np.linalg.svd(W, compute_uv=False)
+    s = svd(W, compute_uv=False)
     return int(np.sum(s > rtol * s[0])) if s.size and s[0] > 0 else 0

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .mha import CanonicalLayer
+from ..linalg import lstsq, svd
 
 FORMAT = "headthief-bert-attention-1"
 NAMES = ("self.query.weight", "self.query.bias", "self.key.weight", "self.key.bias",
@@ -90,7 +91,7 @@ def _svd_of_product(A: np.ndarray, B: np.ndarray, k: int) -> tuple[np.ndarray, n
     largest discarded singular value relative to the largest kept (0 when nothing is discarded)."""
     Qa, Ra = np.linalg.qr(A)
     Qb, Rb = np.linalg.qr(B)
-    P, S, Rt = np.linalg.svd(Ra @ Rb.T)
+    P, S, Rt = svd(Ra @ Rb.T)
     L, R = Qa @ P, Qb @ Rt.T
     tail = float(S[k] / S[0]) if len(S) > k and S[0] > 0 else 0.0
     L, R = _fix_signs(L[:, :k], R[:, :k])
@@ -122,7 +123,7 @@ def _bert_tensors_f64(layer: CanonicalLayer) -> tuple[dict[str, np.ndarray], dic
         K[h], Q[h] = (L * s).T, (R * s).T
         # K_h^T bq_h / sqrt(dh) = c_h, least squares (minimum norm on zero singular values)
         c = layer.C[h]
-        bq[h] = np.linalg.lstsq(K[h].T, c * root, rcond=None)[0]
+        bq[h] = lstsq(K[h].T, c * root, rcond=None)[0]
         nc = float(np.linalg.norm(c))
         c_res.append(float(np.linalg.norm(K[h].T @ bq[h] / root - c)) / (nc if nc > 0 else 1.0))
         # O_h = U_h Vt_h^T = P diag(S) R^T; Wo[:, h] = P sqrt(S), V_h = sqrt(S) R^T

@@ -27,6 +27,7 @@ import numpy as np
 from ...errors import InvalidQuery, ModelMismatch
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm, fit_output_layernorm
+from ...linalg import lstsq
 
 QUERIES = 3            # sequences of random tokens; every position is seen QUERIES times
 JOINT_EVALUATIONS = 50  # a LayerNorm eps given: gamma, beta and the offsets fitted jointly, in this many evaluations
@@ -86,7 +87,7 @@ def _offsets(ln: OutputLayerNorm, A: np.ndarray, X: np.ndarray) -> tuple[np.ndar
             rows.append(M)
             rhs.append(X[j, t] - X[0, t])
         M, r = np.vstack(rows), np.concatenate(rhs)
-        sol, *_ = np.linalg.lstsq(M, r, rcond=None)
+        sol, *_ = lstsq(M, r, rcond=None)
         worst = max(worst, float(np.linalg.norm(M @ sol - r) / max(np.linalg.norm(r), 1e-300)))
         c = sol[0] * n[0, t] - X[0, t]
         offsets[t] = c - c.mean()

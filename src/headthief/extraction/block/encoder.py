@@ -63,6 +63,7 @@ from .smoothness import check_smooth_activation
 from .value_sum import BASES, COARSE, RANK_MARGIN, centre, stencil_derivative
 from .value_sum_image import ImageValueSum, retrying, solve_bases
 from ..result import Fidelity
+from ...linalg import lstsq, pinv, svd
 
 POINTS = 10              # stage F's points per FFN width + 1: twice the image route's 5, because with 5 the
                          # neuron search failed on 6 of 19 d = 8 encoders (300..318); 10 passed 3 of 3 of them
@@ -222,7 +223,7 @@ def value_sum_data(paths: _Paths, k: int, image: LayerNormImage, rng, h: float, 
         T1 = dX / image.gamma[:, None]                                   # one-token moves, n-coordinates
         T2 = (A - C) / image.gamma[:, None]
         Z = D1 - D2                                                      # (J_S - J_C)(A - C)
-        Yb = dY @ np.linalg.lstsq(T1, T2, rcond=None)[0]                 # J_one on the basis T2
+        Yb = dY @ lstsq(T1, T2, rcond=None)[0]                 # J_one on the basis T2
         data.append((nx, T2, Z, Yb))
     return data, q
 
@@ -240,7 +241,7 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
         q += qd
         ratios = []
         for _, _, Z, _ in data:
-            Sv = np.linalg.svd(Z, compute_uv=False)
+            Sv = svd(Z, compute_uv=False)
             ratios.append(float(Sv[-1] / Sv[0]))
         if min(ratios) > RANK_MARGIN * expected:
             break
@@ -249,7 +250,7 @@ def _value_sum(paths: _Paths, k: int, image: LayerNormImage, rng, eps: float) ->
                                   f"({min(ratios):.3g} of the largest) is too small at this answer precision, "
                                   f"on {V_DRAWS} draws of base tokens")
     cond = min(ratios)
-    out = [(nx, T2, np.linalg.lstsq(Z, Yb, rcond=None)[0]) for nx, T2, Z, Yb in data]
+    out = [(nx, T2, lstsq(Z, Yb, rcond=None)[0]) for nx, T2, Z, Yb in data]
     return solve_bases(image, out, expected=float(expected), conditioning=cond, step=float(h), queries=q,
                        where=f"block {k}: ", check="value-sum (encoder)")
 
@@ -268,13 +269,13 @@ def _ffn_reader(paths: _Paths, k: int, ln, ivs: ImageValueSum, eps: float):
                 q += qq
                 n = image.normalized(x[None])[0]
                 D = _dm(ivs, n, dX / image.gamma[:, None])                  # the observed moves, n-coordinates
-                S = np.linalg.svd(D, compute_uv=False)
+                S = svd(D, compute_uv=False)
                 cond = S[0] / max(S[-1], 1e-300)
                 if cond > MAX_CONDITION:
                     continue                                                # near a fold (of LN1's or earlier blocks')
                 m = ln1_input(ivs, n[None])[0]
                 u = ln.normalized(y[None])[0]
-                J = (dY / ln.gamma[:, None]) @ np.linalg.pinv(D)             # d(normalised answer)/dm
+                J = (dY / ln.gamma[:, None]) @ pinv(D)             # d(normalised answer)/dm
                 cand = (cond, J, m / np.linalg.norm(m), u / np.linalg.norm(u))
                 (good if cond <= cap else spare).append(cand)               # spare: used only if too few are better
                 if len(good) == points:

@@ -56,6 +56,7 @@ from .on_image import answer_precision
 from .smoothness import THRESHOLD as SMOOTH
 from .smoothness import check_smooth_activation
 from .value_sum import NEWTON, SCALES, centre  # the scalings of token t about its offset, Newton's steps
+from ...linalg import lstsq
 
 BASES = 2                # base sequences per position: the Jacobians' stacked null-space equations (2 fix c; a
                          # third cost 2 d queries a position for nothing: all-MiniLM-L6-v2 seed 0, hidden=last,
@@ -124,7 +125,7 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
         norms = [float(np.sqrt(max(np.trace(g), 0.0) / (d - 1))) / max(float(np.sqrt(np.mean(y * y))), 1e-300)
                  for g, y in zip(Gs, base)]
         if start is None:
-            c = _centre(np.linalg.lstsq(G, -sum(g @ X[t] for g, X in zip(Gs, Xs)), rcond=None)[0])
+            c = _centre(lstsq(G, -sum(g @ X[t] for g, X in zip(Gs, Xs)), rcond=None)[0])
         else:
             c = _centre(np.asarray(start[t], np.float64))
         GN = sum(((a - 1.0) / a) ** 2 for a in SCALES) * G
@@ -145,7 +146,7 @@ def offsets_by_scale(oracle: Oracle, rng: np.random.Generator, *, positions: int
                 best, best_c = res, c
             if not halved or step == newton:                    # no longer halving: at the answers' precision
                 break
-            move = np.linalg.lstsq(GN, rhs, rcond=None)[0]
+            move = lstsq(GN, rhs, rcond=None)[0]
             if np.max(np.abs(move)) <= 4 * np.finfo(float).eps * max(float(np.max(np.abs(X[t] + c))) for X in Xs):
                 break                       # below the tokens' rounding: the next step would ask the same sequences
             c = _centre(c - move)

@@ -58,6 +58,7 @@ from .one_token_refit import model_jacobian, refit_from_oracle, refit_one_token
 from .smoothness import check_smooth_activation
 from .arithmetic import MAX_TFLOP, REFIT_ITERATIONS, describe, over_limit, planned
 from .value_sum import COARSE, ValueSum, centre, value_sum, with_map
+from ...linalg import lstsq, svd
 
 MODEL = "a post-LN BERT encoder block (attention, LN1, GELU FFN, LN2)"
 SAVE_FORMAT = "headthief-bert-block-1"   # safetensors metadata: BertLayer's tensor names, float64
@@ -260,13 +261,13 @@ def assemble(ln: OutputLayerNorm, vs: ValueSum, ffn: FFNPart, att: Heads, ln_eps
     Q, K, V, bq, Wo = (np.zeros((H, dh, d)), np.zeros((H, dh, d)), np.zeros((H, dh, d)), np.zeros((H, dh)),
                        np.zeros((d, d)))
     for h in range(H):
-        U, S, Vt = np.linalg.svd(att.W[h])
+        U, S, Vt = svd(att.W[h])
         A = U[:, :dh] * np.sqrt(S[:dh])
         Bm = Vt[:dh].T * np.sqrt(S[:dh])
         K[h] = np.sqrt(dh) * A.T
         Q[h] = Bm.T
-        bq[h] = np.linalg.lstsq(A, att.c[h], rcond=None)[0]
-        U, S, Vt = np.linalg.svd(att.O[h])
+        bq[h] = lstsq(A, att.c[h], rcond=None)[0]
+        U, S, Vt = svd(att.O[h])
         Wo[:, h * dh:(h + 1) * dh] = U[:, :dh] * S[:dh]
         V[h] = Vt[:dh]
     layer = AttentionLayer(Q=Q, K=K, V=V, Wo=Wo, bq=bq, bk=np.zeros((H, dh)), bv=np.zeros((H, dh)), bo=vs.b,

@@ -39,6 +39,7 @@ from ...errors import ConvergenceError, InvalidQuery, ModelMismatch, NotIdentifi
 from ...oracles.base import Oracle
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, ValueSum, mean_zero_basis, stencil_derivative, stencil_tokens
+from ...linalg import lstsq, pinv, svd
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def jacobians(oracle: Oracle, ln: OutputLayerNorm, vs: ValueSum, rng: np.random.
     for m in Ms:
         mh = m / np.linalg.norm(m)
         # orthonormal tangent basis: complement of {1, m}
-        Tb = np.linalg.svd(P - np.outer(mh, mh))[0][:, :d - 2].T       # (d - 2, d)
+        Tb = svd(P - np.outer(mh, mh))[0][:, :d - 2].T       # (d - 2, d)
         X = tokens_for(vs, stencil_tokens(m, Tb, h * np.sqrt(d)), r, bound=oracle.input_norm)
         Y = np.asarray(oracle.query_packed(X[:, None, :]))
         q += len(X)
@@ -213,7 +214,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
         if len(fs) > 1:
             dF = np.stack([fs[i + 1] - fs[i] for i in range(len(fs) - 1)], axis=1)
             dX = np.stack([xs[i + 1] - xs[i] for i in range(len(xs) - 1)], axis=1)
-            gam, *_ = np.linalg.lstsq(dF, f.ravel(), rcond=None)
+            gam, *_ = lstsq(dF, f.ravel(), rcond=None)
             nu = (nu.ravel() + f.ravel() - (dX + dF) @ gam).reshape(nu.shape)
         else:
             nu = g
@@ -247,7 +248,7 @@ def span(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, rank: int, *, memory: in
             return Q, lift(g2), max_iter, res
         e = energy(nu)                  # the polished end itself: where a point's least squares is ill-conditioned
         if e < kept[0]:                 # the steps throw it far (measured: |nu| 5 -> 950 in one step)
-            kept = (e, np.linalg.svd(lift(nu), full_matrices=False)[2][:rank].T, nu, max_iter, res)
+            kept = (e, svd(lift(nu), full_matrices=False)[2][:rank].T, nu, max_iter, res)
     if best_on_stall:
         _, Q, g, its, res = kept
         return Q, lift(g), its, res
@@ -294,7 +295,7 @@ def _nuisance_maps(Y, ns, ms, E, probes):
 
 def _outside(L: np.ndarray, rank: int) -> np.ndarray:
     """L's rows minus their projection on L's top ``rank`` principal subspace (the polish's residual)."""
-    Q = np.linalg.svd(L, full_matrices=False)[2][:rank].T
+    Q = svd(L, full_matrices=False)[2][:rank].T
     return L - (L @ Q) @ Q.T
 
 
@@ -387,7 +388,7 @@ def _full(Y: np.ndarray, ns: np.ndarray, ms: np.ndarray, E: np.ndarray, rank: in
         return out
 
     def step(nu):
-        Q = np.linalg.svd(lift(nu), full_matrices=False)[2][:rank].T
+        Q = svd(lift(nu), full_matrices=False)[2][:rank].T
         return against(Q), Q
 
     step.against = against
@@ -432,7 +433,7 @@ def _structured(Y: np.ndarray, ns: np.ndarray, rs: np.ndarray, E: np.ndarray, ra
         A -= QN @ QN.transpose(0, 2, 1)
         QY = Yc.reshape(k, -1) @ Q
         rhs = -(NY - np.einsum("tkc,tc->tk", QN, QY))
-        return np.einsum("tkl,tl->tk", np.linalg.pinv(A, rcond=1e-13, hermitian=True), rhs)
+        return np.einsum("tkl,tl->tk", pinv(A, rcond=1e-13, hermitian=True), rhs)
 
     def against(Q):
         Qr = Q.reshape(d, p, -1)
@@ -511,10 +512,10 @@ def rank_ones(Q: np.ndarray, count: int, d: int, rng: np.random.Generator, *, ma
         for z in Z:
             used += 1
             starts += 1
-            U, S, Vt = np.linalg.svd(z.reshape(d, d))
+            U, S, Vt = svd(z.reshape(d, d))
             if 1e-12 < S[1] / S[0] < POLISH_BELOW:
                 z = polish_rank_one(Q, U[:, 0], Vt[0])
-                U, S, Vt = np.linalg.svd(z.reshape(d, d))
+                U, S, Vt = svd(z.reshape(d, d))
             if S[1] > tol * S[0]:
                 continue
             u, v = U[:, 0], Vt[0]
@@ -550,7 +551,7 @@ def _power_step(C: np.ndarray, Q: np.ndarray, d: int, cols: int, tol: float,
     whether it moved less than ``settle tol`` (up to sign; ``settle`` one number or one per row, by default
     :data:`SETTLE`). Shared by :func:`rank_ones` and :func:`rank_ones_batched`."""
     settle = SETTLE if settle is None else settle
-    U, S, Vt = np.linalg.svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
+    U, S, Vt = svd((C @ Q.T).reshape(-1, d, cols), full_matrices=False)
     R = S[:, :1, None] * np.einsum("bi,bj->bij", U[:, :, 0], Vt[:, 0, :])
     Cn = R.reshape(len(C), -1) @ Q
     Cn /= np.linalg.norm(Cn, axis=1, keepdims=True)
@@ -683,7 +684,7 @@ def rank_ones_batched(Q: np.ndarray, count: int, d: int, cols: int, rng: np.rand
         age = age + 1
         done = settled | (age >= iterations)
         for i in np.flatnonzero(done):
-            u_, s_, vt_ = np.linalg.svd((Q @ C[i]).reshape(d, cols), full_matrices=False)
+            u_, s_, vt_ = svd((Q @ C[i]).reshape(d, cols), full_matrices=False)
             final = bool(tight[i]) or age[i] >= iterations
             if s_[1] <= tol * s_[0]:
                 u, v = u_[:, 0], vt_[0]
@@ -763,7 +764,7 @@ def gamma_direction(Q: np.ndarray, d: int, gap: float = 1e3, probes: np.ndarray 
     R = P if probes is None else P @ probes
     G = np.stack([np.outer(P[:, i], R[i, :]).ravel() for i in range(d)], axis=1)   # gamma -> vec(P diag P V)
     A = G - Q @ (Q.T @ G)
-    _, S, Vt = np.linalg.svd(A)
+    _, S, Vt = svd(A)
     g = Vt[-1]
     if S[-2] <= gap * max(S[-1], 1e-300):
         raise NotIdentifiable("LN1's gamma is not the one diagonal element of the Jacobian span "
@@ -958,7 +959,7 @@ def nearly_linear(J: np.ndarray, ms: np.ndarray, ns: np.ndarray, ffn: int, error
     if ffn + 1 <= rank:
         return error
     _, L, _, _ = span(J, ms, ns, rank, max_iter=max_iter, tol=tol, best_on_stall=True, restarts=0, probes=probes)
-    s = np.linalg.svd(L, compute_uv=False)
+    s = svd(L, compute_uv=False)
     outside = float(np.sqrt(np.sum(s[rank:] ** 2) / T))
     if not outside < LINEAR:
         return error
@@ -1024,7 +1025,7 @@ def coefficients(lifted: np.ndarray, gam: np.ndarray, pairs, probes: np.ndarray 
     G = P @ np.diag(gam) @ P
     basis = np.stack([(G if probes is None else G @ probes).ravel()] + [np.outer(u, v).ravel() for u, v in pairs],
                      axis=1)
-    coef, *_ = np.linalg.lstsq(basis, lifted.T, rcond=None)
+    coef, *_ = lstsq(basis, lifted.T, rcond=None)
     if np.min(np.abs(coef[0])) <= 1e-9 * np.max(np.abs(coef[0])):
         raise NotIdentifiable("a Jacobian has no gamma component: cannot scale the neurons at that point")
     return coef
@@ -1087,10 +1088,10 @@ def assemble_part(gam: np.ndarray, us, zs, coef: np.ndarray, ms: np.ndarray, ns:
     A[:d, d] = A[d, :d] = RF.sum(axis=0)
     A[d, d] = float(np.sum(PF * RF))
     rhs = -np.concatenate([RG.sum(axis=0), [float(np.sum(PF * RG))]])
-    sol, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+    sol, *_ = lstsq(A, rhs, rcond=None)
     c, k = P @ sol[:d], float(sol[d])
     if not 0.5 <= k <= 2.0:                     # not a small bias: c alone, the neurons' scale as read
-        sol, *_ = np.linalg.lstsq(A[:d, :d], -RG.sum(axis=0) - RF.sum(axis=0), rcond=None)
+        sol, *_ = lstsq(A[:d, :d], -RG.sum(axis=0) - RF.sum(axis=0), rcond=None)
         c, k = P @ sol, 1.0
     W2 = W2 * k
     # gamma's sign was fixed by sum > 0 (gamma_direction). The pair (LN1, FFN) with u's sign flipped is the

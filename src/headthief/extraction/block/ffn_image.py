@@ -29,6 +29,7 @@ from .ffn import CHECK_FACTOR, FFNPart, FFNTooWide, NearlyLinearFFN, default_poi
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, stencil_derivative
 from .value_sum_image import ImageValueSum
+from ...linalg import pinv, svd
 
 MAX_CONDITION = 1e3       # largest condition number of dm/dn accepted at a stage-F point
 COARSE_CONDITION = 1e2    # the same for coarse (float32) answers: the Jacobians lose that factor of a precision
@@ -87,7 +88,7 @@ def image_reader(oracle: Oracle, ln: OutputLayerNorm, ivs: ImageValueSum, *, pre
             for n in image.points(rng, points):
                 T = image.tangent(n, rng)
                 D = _dm(ivs, n, T)
-                S = np.linalg.svd(D, compute_uv=False)
+                S = svd(D, compute_uv=False)
                 cond = S[0] / max(S[-1], 1e-300)
                 if cond <= cap:
                     good.append((cond, n, T, D))
@@ -104,7 +105,7 @@ def image_reader(oracle: Oracle, ln: OutputLayerNorm, ivs: ImageValueSum, *, pre
             Y = ln.normalized(np.asarray(oracle.query_packed(X[:, None, :])))
             q += len(X)
             Jn = stencil_derivative(Y[:-1], d - 2, h)              # (d, d - 2)
-            Js.append(Jn @ np.linalg.pinv(D))
+            Js.append(Jn @ pinv(D))
             m = ln1_input(ivs, n[None])[0]
             ms.append(m / np.linalg.norm(m))
             ns.append(Y[-1] / np.linalg.norm(Y[-1]))

@@ -47,6 +47,7 @@ from .ffn import (FFNPart, _sphere, assemble_part, coefficients, gamma_direction
                   tokens_for, tolerances)
 from .layernorm import OutputLayerNorm
 from .value_sum import COARSE, ValueSum, stencil_derivative, stencil_tokens
+from ...linalg import svd
 
 
 def probe_count(d: int, ffn: int) -> int:
@@ -132,9 +133,9 @@ def from_derivatives(derivative, answer, d: int, ffn: int, rng: np.random.Genera
     T = points or max(5 * (ffn + 1), 2 * d)
     check_fits(d, ffn, p, T)
     Pm = np.eye(d) - 1.0 / d
-    E = np.linalg.svd(Pm)[0][:, :d - 1]
+    E = svd(Pm)[0][:, :d - 1]
     V = np.linalg.qr(E @ rng.standard_normal((d - 1, p)))[0]                 # (d, p) orthonormal, off 1
-    Wx = np.linalg.svd(Pm - V @ V.T)[0][:, :d - 1 - p]                         # the rest of 1's complement
+    Wx = svd(Pm - V @ V.T)[0][:, :d - 1 - p]                         # the rest of 1's complement
     inside = rng.standard_normal((S, p)) @ V.T
     outside = _sphere(rng, T - S, d)
     narrow = orthogonal_points(d, p)

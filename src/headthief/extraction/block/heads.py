@@ -55,6 +55,7 @@ from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from .read_fit import fit_in_output_space
 from .value_sum import COARSE, ValueSum, one_token_jacobian
+from ...linalg import lstsq, pinv, svd
 
 LEVELS = (1.0, 2.0, 3.0)   # the pair's step sizes, in units of t: Richardson removes the O(t^4) and O(t^6) terms
 PILOT = (0, 1, None)     # coarse answers: the reads first taken at every level (e_0, e_1 and e_0 + e_1; None: d + 1)
@@ -180,7 +181,7 @@ def choose_levels(S: dict, X: np.ndarray, Js: np.ndarray, t: float, *, tol: floa
 def _pull_backs(Js: np.ndarray) -> np.ndarray:
     """Each token's pseudo-inverse of its one-token Jacobian on its row space (rank d - 2: LN1's null space)."""
     d = Js.shape[2]
-    U, S, Vt = np.linalg.svd(Js)
+    U, S, Vt = svd(Js)
     return np.einsum("pji,pkj->pik", Vt[:, :d - 2], U[:, :, :d - 2] / S[:, None, :d - 2])
 
 
@@ -195,14 +196,14 @@ def _fit_reads(Zs: np.ndarray, X: np.ndarray, c0: np.ndarray, P1: np.ndarray) ->
     Yc = (X + c0) @ P1                               # rows: P1 (x_p + c0)
     Xh = np.hstack([X, np.ones((Pn, 1))])            # (P, d+1)
     # Zc = Xh G^T + diag(lam) Yc: eliminate G with the left null space of Xh
-    U, _, _ = np.linalg.svd(Xh, full_matrices=True)
+    U, _, _ = svd(Xh, full_matrices=True)
     N = U[:, d + 1:]                                 # (P, P-d-1): N^T Xh = 0
     # N^T Zc = N^T diag(lam) Yc  ->  sum_p N[p,k] Yc[p,i] lam_p = (N^T Zc)[k,i]
     Msys = np.einsum("pk,pi->kip", N, Yc).reshape(-1, Pn)
     rhs = np.einsum("pk,rpi->kir", N, Zc).reshape(-1, K)
-    lam, *_ = np.linalg.lstsq(Msys, rhs, rcond=None)                         # (P, reads)
+    lam, *_ = lstsq(Msys, rhs, rcond=None)                         # (P, reads)
     R = Zc - lam.T[:, :, None] * Yc[None]                                     # (reads, P, d)
-    Gt, *_ = np.linalg.lstsq(Xh, R.transpose(1, 0, 2).reshape(Pn, K * d), rcond=None)
+    Gt, *_ = lstsq(Xh, R.transpose(1, 0, 2).reshape(Pn, K * d), rcond=None)
     Gt = Gt.reshape(d + 1, K, d).transpose(1, 0, 2)                           # (reads, d+1, d)
     fit = np.einsum("pe,red->rpd", Xh, Gt)
     res = np.linalg.norm((fit - R).reshape(K, -1), axis=1) / np.maximum(np.linalg.norm(R.reshape(K, -1), axis=1),
@@ -214,7 +215,7 @@ def _gauge(c1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``P1 = I - c1 c1^T`` and an orthonormal basis (d, d - 1) of its range: the complement of ``B^{-1} 1``."""
     d = c1.size
     P1 = np.eye(d) - np.outer(c1, c1)
-    return P1, np.linalg.svd(P1)[0][:, :d - 1]
+    return P1, svd(P1)[0][:, :d - 1]
 
 
 def _without_scale(G: np.ndarray, mu: float, P1: np.ndarray, c0: np.ndarray) -> np.ndarray:
@@ -236,7 +237,7 @@ def _fix_scale(G: np.ndarray, c0: np.ndarray, P1: np.ndarray, Qc: np.ndarray, H:
     near = np.sort(np.abs(ev - med))
     keep = ev[np.abs(ev - med) <= near[d - 2 - H]]
     out = _without_scale(G, float(np.mean(keep.real)), P1, c0)
-    s = np.linalg.svd(out, compute_uv=False)
+    s = svd(out, compute_uv=False)
     return out, float(s[H] / s[0]), float(s[H - 1] / s[0])
 
 
@@ -263,7 +264,7 @@ def count_heads(G: list[np.ndarray], c0: np.ndarray, P1: np.ndarray, Qc: np.ndar
     counts, gaps = [], []
     for Gk in G:
         mu = float(np.median(np.linalg.eigvals(Qc.T @ Gk[:, :d] @ Qc).real))
-        sv = np.linalg.svd(_without_scale(Gk, mu, P1, c0), compute_uv=False)
+        sv = svd(_without_scale(Gk, mu, P1, c0), compute_uv=False)
         if tol is None:
             top = (d - 1) // 2
             ratios = sv[:top] / np.maximum(sv[1:top + 1], 1e-300)
@@ -301,7 +302,7 @@ def _normal_solve(G, R):
     try:
         return np.linalg.solve(G, R)
     except np.linalg.LinAlgError:
-        return np.linalg.lstsq(G, R, rcond=None)[0]
+        return lstsq(G, R, rcond=None)[0]
 
 
 def _outer(F, Z) -> np.ndarray:
@@ -354,7 +355,7 @@ def _inner_cg(F, dirs, P, V, *, tol: float = 1e-14) -> np.ndarray:
     M = np.einsum("hdr,gds->hgrs", P, P)                                   # P_h^T P_g
     Wv = np.einsum("khm,kgm->khg", V, V)                                  # v_hk . v_gk
     rhs = _inner_rhs(F, dirs, P, V)
-    Minv = np.stack([np.linalg.pinv(M[h, h]) for h in range(H)])   # pinv: a head of width d has rank d - 1
+    Minv = np.stack([pinv(M[h, h]) for h in range(H)])   # pinv: a head of width d has rank d - 1
     Oinv = np.stack([np.linalg.inv((dirs * Wv[:, h, h][:, None]).T @ dirs) for h in range(H)])
 
     def apply(X):
@@ -398,7 +399,7 @@ def _polish(F, dirs, Ot, What, rank: int, *, max_iter: int = 2000, tol: float = 
     H = len(Ot)
 
     def split(A):
-        U, S, Vt = np.linalg.svd(A, full_matrices=False)
+        U, S, Vt = svd(A, full_matrices=False)
         return U[:, :rank] * np.sqrt(S[:rank]), Vt[:rank].T * np.sqrt(S[:rank])
 
     P, Q = map(np.stack, zip(*(split(A) for A in Ot)))
@@ -475,12 +476,12 @@ def rank_descent(Wt: np.ndarray, rank: int, H: int, rng: np.random.Generator, *,
         for v in us:                             # start off the heads already kept (in the maps' inner product)
             u = u - (u @ Gram @ v) / (v @ Gram @ v) * v
         for _ in range(steps):
-            U, _, Vt = np.linalg.svd(np.tensordot(u, Wt, 1), full_matrices=False)
+            U, _, Vt = svd(np.tensordot(u, Wt, 1), full_matrices=False)
             Uh, Vh = U[:, :rank], Vt[:rank].T
             R = Wt - np.einsum("ai,bi,kbc,cj,ej->kae", Uh, Uh, Wt, Vh, Vh, optimize=True)
             u = eigh(np.einsum("kab,lab->kl", R, R), Gram)[1][:, 0]
         Y = np.tensordot(u, Wt, 1)
-        sv = np.linalg.svd(Y, compute_uv=False)
+        sv = svd(Y, compute_uv=False)
         tail = float(np.sqrt(np.sum(sv[rank:] ** 2) / np.sum(sv ** 2)))
         Y = Y / np.linalg.norm(Y)
         same = [i for i, (_, Z) in enumerate(kept) if abs(float(np.sum(Y * Z))) >= 0.5]
@@ -505,7 +506,7 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     dh = d // H
     # 3. factor every read, transport right factors into e_0's mixing
     def factor(G):
-        U, S, Vt = np.linalg.svd(G, full_matrices=False)
+        U, S, Vt = svd(G, full_matrices=False)
         return U[:, :H] * S[:H], Vt[:H].T                                 # L (d, H), R (d+1, H)
 
     L0, R0 = factor(F[0])
@@ -513,7 +514,7 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
     for j in range(d):
         Lj, Rj = factor(F[1 + j])
         Xc = F[1 + d + j] - F[0] - F[1 + j]
-        Mb = np.linalg.pinv(np.hstack([L0, Lj])) @ Xc @ np.linalg.pinv(np.hstack([Rj, R0])).T
+        Mb = pinv(np.hstack([L0, Lj])) @ Xc @ pinv(np.hstack([Rj, R0])).T
         C = Mb[:H, :H]
         off = np.linalg.norm(Mb[:H, H:]) + np.linalg.norm(Mb[H:, :H])
         cross = max(cross, float(off / np.linalg.norm(Mb)))
@@ -552,16 +553,16 @@ def separate(F: list[np.ndarray], dirs: np.ndarray, E: np.ndarray, vs: ValueSum,
             What, separation = found, "rank descent"
 
     # 5. O_h against every read: F_e = sum_h (Otilde_h e)(What_h e)^T
-    Lall = np.stack([Fk @ np.linalg.pinv(np.stack([What[g] @ e for g in range(H)], axis=1)).T
+    Lall = np.stack([Fk @ pinv(np.stack([What[g] @ e for g in range(H)], axis=1)).T
                      for Fk, e in zip(F, dirs)])                         # (reads, d, H): Otilde_h e per read
-    Ot = np.stack([np.linalg.lstsq(dirs, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
+    Ot = np.stack([lstsq(dirs, Lall[:, :, g], rcond=None)[0].T for g in range(H)])  # (H, d, d)
     # coarse reads (noise ~1e-2 of their size): sweeps that gain less than 1e-3 of the residual do not move the
     # start the block refit needs, and at MiniLM's size one sweep is 175 GFLOP (d = 16: 116 - 283 sweeps at 1e-6)
     Ot, What, polish = _polish(F, dirs, Ot, What, dh, tol=COARSE_POLISH if coarse else 1e-6,
                                settle=None if coarse else SETTLE)
     PO = np.einsum("ij,gjk->gik", vs.B, Ot)                              # P O_h up to each head's scale
     target = vs.B - (np.eye(d) - np.ones((d, d)) / d)
-    kappa, *_ = np.linalg.lstsq(PO.reshape(H, -1).T, target.reshape(-1), rcond=None)
+    kappa, *_ = lstsq(PO.reshape(H, -1).T, target.reshape(-1), rcond=None)
     sum_res = float(np.linalg.norm(np.tensordot(kappa, PO, 1) - target) / np.linalg.norm(target))
     O = PO * kappa[:, None, None]
     Wh = What / kappa[:, None, None]

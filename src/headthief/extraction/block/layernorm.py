@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
+from ...linalg import lstsq, svd
 
 SPHERE_PRECISION = 10   # the answers' distance from the ellipsoid allowed: 10x their precision (measured 1.1 - 1.7x
 SPHERE_EPS = 100        # in float32) or 100x the eps the block models use (BERT's 1e-12: 0.1x of it measured)
@@ -134,7 +135,7 @@ def _fit_in_units(Y: np.ndarray) -> OutputLayerNorm:
     k, d = Y.shape
     mu = Y.mean(axis=0)
     C = Y - mu
-    _, sv, Vt = np.linalg.svd(C, full_matrices=False)
+    _, sv, Vt = svd(C, full_matrices=False)
     if sv[-2] <= 1e-9 * sv[0]:
         raise NotIdentifiable(f"the {k} answers span fewer than d - 1 = {d - 1} directions: they do not fix the "
                               "LayerNorm (use more varied queries)")
@@ -151,7 +152,7 @@ def _fit_in_units(Y: np.ndarray) -> OutputLayerNorm:
     # sum_j a_j^2 y_j^2 = 2 v.y - c  with v = a^2 beta, c = sum a^2 beta^2 - d s^2
     A = np.hstack([2.0 * Y, -np.ones((k, 1))])
     rhs = (Y ** 2) @ (a ** 2)
-    sol, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+    sol, *_ = lstsq(A, rhs, rcond=None)
     vp, cp = sol[:d], sol[d]
     if np.min(np.abs(a)) <= 1e-12 * np.max(np.abs(a)):
         raise NotIdentifiable("a coordinate of 1/gamma is zero: that output coordinate is constant (gamma = inf?)")

@@ -52,6 +52,7 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable, SpecError
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
+from ...linalg import lstsq, svd
 
 BASES = 3              # base tokens (at least 2 to fix B off the ones direction)
 COARSE_BASES = 6       # for coarse answers: each base adds the directions it sees well (MiniLM block 2: B's error
@@ -102,7 +103,7 @@ def with_map(vs: "ValueSum", B: np.ndarray, b: np.ndarray) -> "ValueSum":
 
 def mean_zero_basis(d: int) -> np.ndarray:
     """An orthonormal basis (d, d - 1) of the mean-zero vectors (fixed, so results do not depend on a draw)."""
-    return np.linalg.svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
+    return svd(np.eye(d) - 1.0 / d)[0][:, :d - 1]
 
 
 def centre(A: np.ndarray) -> np.ndarray:
@@ -231,7 +232,7 @@ def scale_newton(oracle: Oracle, xs: list, Js: list, c0: np.ndarray, c1: np.ndar
         if not halved:
             break
         rhs = sum(J.T @ (w @ (Y[k] - base[k])) for k, J in enumerate(Js))
-        e = np.linalg.lstsq(GN, rhs, rcond=None)[0]
+        e = lstsq(GN, rhs, rcond=None)[0]
         c0 = c0 - (e if through is None else through @ e)
         c0 = c0 - c1 * (c1 @ c0)
     return best_c, q
@@ -283,7 +284,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
         nrhs.append(-J_psi @ x)                         # J_Phi (B x + b) = J_Psi x + J_Phi b = 0 (the scale of pre)
     A = np.vstack(Js)
     R = np.vstack(Ds)
-    Sr = np.linalg.svd(R, compute_uv=False)
+    Sr = svd(R, compute_uv=False)
     cond = float(Sr[d - 2] / Sr[0])
     if cond <= RANK_MARGIN * expected:
         raise NotIdentifiable(
@@ -291,7 +292,7 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
             f"at {cond:.3g} of the largest, not {RANK_MARGIN}x above the finite differences' error ({expected:.2g}): at "
             "this answer precision the value-output map is not determined by them (a direction LN1 and the FFN nearly "
             "ignore)")
-    PB = centre(np.linalg.lstsq(R, A, rcond=None)[0])     # R's null space is the ones-vector: B modulo 1 r^T
+    PB = centre(lstsq(R, A, rcond=None)[0])     # R's null space is the ones-vector: B modulo 1 r^T
     res = float(np.linalg.norm(R @ PB - A) / max(np.linalg.norm(A), 1e-300))
     if res > CONSISTENCY * expected:
         # a causal mask: position 0 of (x + dx, x) then answers as the one token x + dx does, J_self = J_Psi
@@ -308,11 +309,11 @@ def value_sum(oracle: Oracle, rng: np.random.Generator, *, precision: float, sca
             f"(relative residual {res:.3g} > {CONSISTENCY:g} x the stencil's {expected:.2g}): this target is not one "
             "post-LN block (two blocks? positions inside the block: position embeddings, relative positions or a "
             "convolution over positions?)", check="value-sum", figure=res, threshold=CONSISTENCY * expected)
-    c1 = np.linalg.svd(PB)[2][-1]                         # along B^{-1} 1: P B's one null direction
+    c1 = svd(PB)[2][-1]                         # along B^{-1} 1: P B's one null direction
     c1 = c1 * np.sign(c1.sum()) if c1.sum() != 0 else c1
     Bfull = PB + np.outer(np.ones(d), c1) * (np.linalg.norm(PB, 2) / np.sqrt(d))
     X = np.linalg.inv(Bfull)                              # B^{-1} (I + 1 q^T) for some q
-    Pb = centre(np.linalg.lstsq(R, np.concatenate(nrhs), rcond=None)[0])   # J_Phi,k (B x_k + b) = 0
+    Pb = centre(lstsq(R, np.concatenate(nrhs), rcond=None)[0])   # J_Phi,k (B x_k + b) = 0
     c0 = X @ Pb
     c0 = c0 - c1 * (c1 @ c0)
     if coarse and np.linalg.norm(c0) <= max(np.linalg.norm(x) for x in xs):

@@ -42,6 +42,7 @@ from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from .image import LayerNormImage
 from .value_sum import BASES, CONSISTENCY, RANK_MARGIN, centre, mean_zero_basis, stencil_derivative
+from ...linalg import lstsq, svd
 
 MAX_ITER = 200            # Levenberg-Marquardt steps
 MAX_UNKNOWNS = 8192       # the joint fit is dense: (d - 1)^2 + (d - 1) + bases (d - 2) unknowns (d <= 88 at 3 bases)
@@ -290,13 +291,13 @@ def value_sum_on_image(oracle: Oracle, image: LayerNormImage, rng: np.random.Gen
         T = image.tangent(n, rng)
         Y, Z, qq = _jacobians(oracle, image, n, T, h)
         q += qq
-        S = np.linalg.svd(Z, compute_uv=False)
+        S = svd(Z, compute_uv=False)
         if S[-1] <= RANK_MARGIN * expected * S[0]:
             raise NotIdentifiable(
                 f"the pair Jacobian's smallest of d - 2 singular values ({S[-1] / S[0]:.3g} of the largest) is not "
                 f"{RANK_MARGIN}x above the finite differences' error ({expected:.2g}) at this answer precision")
         cond = min(cond, float(S[-1] / S[0]))
-        data.append((n, T, np.linalg.lstsq(Z, Y, rcond=None)[0]))
+        data.append((n, T, lstsq(Z, Y, rcond=None)[0]))
     return solve_bases(image, data, expected=float(expected), conditioning=cond, step=float(h), queries=q,
                        max_iter=max_iter)
 

@@ -89,6 +89,7 @@ from ...oracles.base import Oracle
 from ..probes import Progress, all_float32, chunk_for
 from .result import MultiHeadExtraction
 from .subspaces import extract_multihead_subspaces
+from ...linalg import svd
 
 PILOT = 4                 # f(0) answers read before choosing the step (precision detection)
 SAFETY = 3.0              # thresholds: this many times the estimated noise's singular values
@@ -233,7 +234,7 @@ def _commutant(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cols[:, off] /= np.sqrt(2)                 # X_pq = X_qp = x_pq / sqrt(2) off the diagonal
         Lk = np.sqrt(2) * cols
         Rf = scipy.linalg.qr(np.concatenate([Rf, Lk]), mode="r", check_finite=False)[0][:len(du)]
-    _, s, Vt = np.linalg.svd(Rf, full_matrices=False)
+    _, s, Vt = svd(Rf, full_matrices=False)
     order = np.argsort(s)
     s, vecs = s[order], Vt[order]
     iu, ju = np.triu_indices(r)
@@ -338,7 +339,7 @@ def block_diagonalize(
     rel_noise = 1e-12 if noise is None else max(noise / scale, 1e-16)
     K = M.shape[0]
     # 1. common kernel
-    U, s, _ = np.linalg.svd(np.concatenate(list(M), axis=1), full_matrices=True)
+    U, s, _ = svd(np.concatenate(list(M), axis=1), full_matrices=True)
     s_all = np.concatenate([s, np.zeros(d - len(s))])
     tau_k = SAFETY * rel_noise * np.sqrt(K / d)
     r = int(np.sum(s_all > tau_k))
@@ -382,7 +383,7 @@ def block_diagonalize(
         _, Vy = np.linalg.eigh(Y)
         Bs.append(Vy[:, -len(g):])
     allB = np.concatenate(Bs, axis=1)
-    u, _, vt = np.linalg.svd(allB, full_matrices=False)          # Loewdin: nearest orthonormal set
+    u, _, vt = svd(allB, full_matrices=False)          # Loewdin: nearest orthonormal set
     allB = u @ vt
     Bs = np.split(allB, np.cumsum([len(g) for g in groups])[:-1], axis=1)
     # 5. error control: merge blocks coupled beyond the tolerance (when the count is not imposed)

@@ -63,6 +63,7 @@ from ...errors import ConvergenceError, ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from ..probes import ProbeScaler, Progress, _invert, all_float32, chunk_for
 from .result import MultiHeadExtraction
+from ...linalg import lstsq, pinv, svd
 
 L_SAT = {False: 40.0, True: 24.0}
 """Logit that switches a head off in the cross-coordinate probes (float64, float32 answers)."""
@@ -316,7 +317,7 @@ def _rough_values(ask: _Asker, b0, base0, circle: _Circle, v_sum: np.ndarray) ->
     # plateaus in order of s: a_1 .. a_{H-1} (interior), a_H (wrap); a_0 = v_sum - a_H
     a = np.vstack([v_sum - A[H - 1], A])          # (H + 1, d): a_0 .. a_H
     Delta = np.diff(a, axis=0)                    # (H, d): +v (head switched on) or -v (off)
-    x, *_ = np.linalg.lstsq(Delta.T, -a[0], rcond=None)
+    x, *_ = lstsq(Delta.T, -a[0], rcond=None)
     xr = np.round(x)
     if np.any(np.abs(x - xr) > 0.25) or np.any((xr != 0) & (xr != 1)):
         raise ModelMismatch(
@@ -345,12 +346,12 @@ class _Basis:
     @classmethod
     def of(cls, V: np.ndarray, rng: np.random.Generator) -> "_Basis":
         H, d = V.shape
-        _, sv, Vt = np.linalg.svd(V)
+        _, sv, Vt = svd(V)
         if sv[-1] <= 1e-10 * sv[0]:
             raise NotIdentifiable(
                 f"the {H} value vectors v_h are (nearly) linearly dependent (condition {sv[0] / max(sv[-1], 1e-300):.3g}); "
                 "head isolation needs independent v_h")
-        Wd = np.linalg.pinv(V)
+        Wd = pinv(V)
         G = rng.standard_normal((d - H, d - H))
         Q = Vt[H:].T @ np.linalg.qr(G)[0]
         Phi = np.hstack([Wd, Q])
@@ -530,12 +531,12 @@ def _read_cross_tight(reader: _Reader, basis: _Basis, B, base, mu, hh, gg, kk, r
             Lg = L + np.log(np.maximum(1.0, 64.0 * np.abs(sq * gh[j]) + 1.0))
             r0 = np.stack([-Lg - sq * gh[j], tau - sq * hh_self[j]], axis=1)
             r1 = np.stack([gg_self[j], X0[j]], axis=1)
-            G = np.linalg.pinv(P @ P.transpose(0, 2, 1))
+            G = pinv(P @ P.transpose(0, 2, 1))
             den = np.einsum("ni,nij,nj->n", r1, G, r1)
             A = np.where(den > 0, np.einsum("ni,nij,nj->n", r1, G, r0) / np.where(den > 0, den, 1.0), 0.0)
             A = np.where(np.abs(A) < sq, np.where(A >= 0, sq, -sq), A)      # keep the reading sensitive
             # min-norm least squares (lstsq's cut-off: eps times the larger side)
-            pc = (np.linalg.pinv(P, rcond=np.finfo(float).eps * max(2, int(r)))
+            pc = (pinv(P, rcond=np.finfo(float).eps * max(2, int(r)))
                   @ (r0 - A[:, None] * r1)[..., None])[..., 0]
             D[q] = (A * ag[j])[:, None] * basis.Wd[:, gg[j]].T + pc @ basis.Q[:, :r].T
             offset[q] = sq * hh_self[j] + np.einsum("ni,ni->n", pc, Ph)
@@ -565,10 +566,10 @@ def _exact_values(ask: _Asker, b0, M: np.ndarray, basis: _Basis, single: bool) -
         target = -np.ones(H)
         target[h] = 1.0
         if ortho:
-            eta, *_ = np.linalg.lstsq(M @ basis.Q, target, rcond=None)
+            eta, *_ = lstsq(M @ basis.Q, target, rcond=None)
             z = basis.Q @ eta
         else:
-            z, *_ = np.linalg.lstsq(M, target, rcond=None)
+            z, *_ = lstsq(M, target, rcond=None)
         res = float(np.max(np.abs(M @ z - target)))
         if res > 1e-3:
             raise NotIdentifiable(f"no direction switches head {h} on and the others off (residual {res:.3g})")
@@ -583,7 +584,7 @@ def _exact_values(ask: _Asker, b0, M: np.ndarray, basis: _Basis, single: bool) -
 # --------------------------------------------------------------------------------------------------
 
 def _row_rank(rows: np.ndarray, tol: float) -> int:
-    sv = np.linalg.svd(rows, compute_uv=False)
+    sv = svd(rows, compute_uv=False)
     return int(np.sum(sv > tol * sv[0])) if sv.size and sv[0] > 0 else 0
 
 
@@ -649,7 +650,7 @@ def _scores(reader: _Reader, ask: _Asker, basis: _Basis, tokens: np.ndarray, bas
         if ell[h] < free:
             r = int(ranks[h])
             known = list(range(H)) + list(range(H, H + int(ell[h])))
-            _, _, Vt = np.linalg.svd(G[known], full_matrices=False)
+            _, _, Vt = svd(G[known], full_matrices=False)
             R = Vt[:r].T                                                       # (d, r) row space
             unknown = np.arange(H + int(ell[h]), d)
             # w_h^T m_h(R_k) is known from the rows; psi_i^T m_h(R_k) for the unknown rows is read

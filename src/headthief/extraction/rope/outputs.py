@@ -28,6 +28,7 @@ from ...errors import NotIdentifiable
 from ...oracles.base import Oracle
 from .partitions import Heads
 from .scores import EXTRA, WeightReader
+from ...linalg import lstsq, svd
 
 SEQUENCES = 512      # random sequences the refinement reads
 SWEEPS = 20          # alternating sweeps, at most
@@ -42,7 +43,7 @@ def one_token_map(oracle: Oracle, b: np.ndarray, rng: np.random.Generator) -> tu
     d = oracle.d
     X = rng.standard_normal((d + EXTRA, 1, d))
     Y = np.asarray(oracle.query(X), dtype=np.float64)[:, 0] - b
-    return np.linalg.lstsq(X[:, 0], Y, rcond=None)[0].T, X.shape[0]
+    return lstsq(X[:, 0], Y, rcond=None)[0].T, X.shape[0]
 
 
 def _shape(O: np.ndarray, group: np.ndarray, dh: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -54,7 +55,7 @@ def _shape(O: np.ndarray, group: np.ndarray, dh: int) -> tuple[np.ndarray, np.nd
     Wo = np.zeros((d, H * dh))
     for g in range(G):
         members = np.flatnonzero(group == g)
-        V[g] = np.linalg.svd(np.vstack([O[h] for h in members]), full_matrices=False)[2][:dh]
+        V[g] = svd(np.vstack([O[h] for h in members]), full_matrices=False)[2][:dh]
         for h in members:
             Wo[:, h * dh:(h + 1) * dh] = O[h] @ V[g].T
     return np.stack([Wo[:, h * dh:(h + 1) * dh] @ V[group[h]] for h in range(H)]), V, Wo
@@ -83,7 +84,7 @@ def refine_outputs(oracle: Oracle, heads: Heads, rng: np.random.Generator, *, ma
         sol = np.linalg.solve(Z.T @ Z, Z.T @ R)                              # (H d, d): the O_h^T stacked
         fits.append(float(np.sqrt(np.mean((Z @ sol - R) ** 2) / np.mean(R ** 2))))
         On, Vn, Won = _shape(sol.reshape(H, d, d).transpose(0, 2, 1), heads.group, dh)
-        c = np.linalg.lstsq(On.reshape(H, -1).T, M.ravel(), rcond=None)[0]   # sum_h c_h O_h = M
+        c = lstsq(On.reshape(H, -1).T, M.ravel(), rcond=None)[0]   # sum_h c_h O_h = M
         On, Won = On * c[:, None, None], Won * np.repeat(c, dh)[None]
         step = float(np.linalg.norm(On - O) / np.linalg.norm(O))
         O, V, Wo = On, Vn, Won

@@ -34,6 +34,7 @@ import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
+from ...linalg import lstsq, pinv, svd
 
 CHECKS = 4            # random perturbations per round that test the exact linearity of every row
 LAM32 = 100.0        # float32 answers: stage H's token scale (entries ~ lam)
@@ -69,17 +70,17 @@ class Heads:
 
 
 def _rank(A: np.ndarray, tol: float) -> int:
-    s = np.linalg.svd(A, compute_uv=False)
+    s = svd(A, compute_uv=False)
     return int(np.sum(s > tol * max(s[0], 1e-300))) if s.size else 0
 
 
 def _row_basis(A: np.ndarray, r: int) -> np.ndarray:
-    return np.linalg.svd(A, full_matrices=False)[2][:r]
+    return svd(A, full_matrices=False)[2][:r]
 
 
 def _subspace_gap(P: np.ndarray, Q: np.ndarray) -> float:
     """Sine of the largest principal angle between the row spaces of two orthonormal bases (r x d)."""
-    s = np.linalg.svd(P @ Q.T, compute_uv=False)
+    s = svd(P @ Q.T, compute_uv=False)
     return float(np.sqrt(max(0.0, 1.0 - float(np.min(s)) ** 2)))
 
 
@@ -120,7 +121,7 @@ def _atoms(points: list[np.ndarray], counts: list[int], total: np.ndarray, tol: 
     """The r atoms of a group: the first r observed classes (d x d_h each), most frequent first, of which every
     class and the group's total are 0/1 sums (singletons recur most). Returns (atoms, None) or (None, reason)."""
     P = np.stack([p.ravel() for p in points])
-    s = np.linalg.svd(P, compute_uv=False)
+    s = svd(P, compute_uv=False)
     r = int(np.sum(s > tol * s[0]))
     targets = np.vstack([P, total.ravel()[None]]).T                    # every class and the total, (n, m + 1)
     scale = float(np.max(np.abs(P)))
@@ -129,7 +130,7 @@ def _atoms(points: list[np.ndarray], counts: list[int], total: np.ndarray, tol: 
         A = P[list(combo)].T                                          # (n, r)
         if _rank(A, tol) < r:
             continue
-        bits = np.round(np.linalg.lstsq(A, targets, rcond=None)[0])
+        bits = np.round(lstsq(A, targets, rcond=None)[0])
         if np.any((bits != 0) & (bits != 1)) or not np.all(bits[:, -1] == 1):
             continue
         if float(np.max(np.abs(A @ bits - targets))) / scale <= 10 * tol:
@@ -142,10 +143,10 @@ def _refit(atoms: list[np.ndarray], obs: list[np.ndarray]) -> list[np.ndarray]:
     that fit ten times worse than the median (a nearly unsaturated head leaked into them) are left out."""
     A = np.stack([a.ravel() for a in atoms]).T                        # (n, r)
     Y = np.stack([o.ravel() for o in obs]).T                          # (n, m)
-    bits = np.round(np.linalg.lstsq(A, Y, rcond=None)[0])             # (r, m)
+    bits = np.round(lstsq(A, Y, rcond=None)[0])             # (r, m)
     keep = np.ones(Y.shape[1], bool)
     for _ in range(2):
-        X = np.linalg.lstsq(bits[:, keep].T, Y[:, keep].T, rcond=None)[0]    # (r, n)
+        X = lstsq(bits[:, keep].T, Y[:, keep].T, rcond=None)[0]    # (r, n)
         res = np.linalg.norm(Y - X.T @ bits, axis=0)
         keep = res <= 10 * np.median(res[keep]) + 1e-300
         if np.linalg.matrix_rank(bits[:, keep]) < len(atoms):
@@ -179,7 +180,7 @@ def split_heads(all_rows: list[dict], M: np.ndarray, tol: float, heads: int | No
     V = np.stack([_row_basis(np.vstack(g), dh) for g in groups])      # (G, dh, d)
     G = V.shape[0]
     Vs = V.reshape(G * dh, -1)
-    D = np.linalg.pinv(Vs)                                            # (d, G dh): V_g D_g' = delta
+    D = pinv(Vs)                                            # (d, G dh): V_g D_g' = delta
     # every class must lie in the groups' value spaces
     worst = 0.0
     for Jc in nz:

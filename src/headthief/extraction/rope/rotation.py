@@ -25,6 +25,7 @@ import numpy as np
 
 from ...errors import ModelMismatch, NotIdentifiable
 from ...models.rope import apply_rotary
+from ...linalg import lstsq, svd
 
 TRIALS = 16     # combinations of the pencils tried for their common eigenvectors
 STILL = 3       # a pencil eigenvalue that turns less than this x the pencil's own imprecision: a still plane
@@ -103,7 +104,7 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         if r < half:
             # the still planes: any real basis of their (left) invariant subspace, two rows per plane
             Z = Winv[2 * r:]
-            Zr = np.linalg.svd(np.vstack([Z.real, Z.imag]))[2][:dh - 2 * r]
+            Zr = svd(np.vstack([Z.real, Z.imag]))[2][:dh - 2 * r]
             z1, z2 = Zr[0::2], Zr[1::2]
             W[r:half], W[half + r:] = (z1 + 1j * z2) / np.sqrt(2), (z1 - 1j * z2) / np.sqrt(2)
         B = E @ W
@@ -146,7 +147,7 @@ def rotation_parts(T: np.ndarray, offsets, group: np.ndarray, Ua, Ub, *, tol: fl
         B = Bs[group[h]]
         lhs = np.concatenate([_rot(-D * model, dh) @ B for D in offsets], axis=1)      # (dh, nD dh)
         rhs = np.concatenate([sq * T[h, k] for k in range(nD)], axis=1)
-        At = np.linalg.lstsq(lhs.T, rhs.T, rcond=None)[0].T                   # A^T (dh, dh)
+        At = lstsq(lhs.T, rhs.T, rcond=None)[0].T                   # A^T (dh, dh)
         fit = max(fit, float(np.linalg.norm(At @ lhs - rhs) / np.linalg.norm(rhs)))
         Q[h] = At.T @ Ua[h].T
     info = {"theta": base, "freqs_read": freqs.tolist(), "freq_misfit": dev, "phase_rms": phase_rms,

@@ -28,6 +28,7 @@ import numpy as np
 from ...errors import ModelMismatch, NotIdentifiable
 from ...oracles.base import Oracle
 from .partitions import Heads, _subspace_gap
+from ...linalg import lstsq, svd
 
 EXTRA = 16           # queries beyond the unknowns of each least-squares fit
 GAP_LIMIT = 0.01    # a (d_h + 1)-th direction this strong (of the d_h-th): not a d_h-dimensional space, unless
@@ -124,7 +125,7 @@ def wlstsq(A: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, flo
     """Weighted least squares over the finite readings: the solution and the weighted rms residual."""
     ok = np.isfinite(y) & (w > 0)
     Aw, yw = A[ok] * w[ok, None], y[ok] * w[ok]
-    sol = np.linalg.lstsq(Aw, yw, rcond=None)[0]
+    sol = lstsq(Aw, yw, rcond=None)[0]
     r = Aw @ sol - yw
     return sol, float(np.sqrt(np.mean(r ** 2))) if r.size else 0.0
 
@@ -156,7 +157,7 @@ def _basis(vectors: np.ndarray, dh: int, what: str, fit: float) -> tuple[np.ndar
     ``s_{dh+1} / s_dh``. ``fit``: the readings' relative misfit to linear functions of the varied tokens (at most
     FIT_LIMIT: :func:`find_spaces` has refused a larger one already), so a wide gap here is imprecision:
     NotIdentifiable."""
-    _, s, Vt = np.linalg.svd(vectors, full_matrices=False)
+    _, s, Vt = svd(vectors, full_matrices=False)
     gap = float(s[dh] / s[dh - 1]) if s.size > dh else 0.0
     if s.size < dh or s[dh - 1] <= 1e-8 * s[0]:
         raise NotIdentifiable(f"the {what} readings span fewer than d_h = {dh} dimensions")

@@ -52,6 +52,7 @@ from ..probes import (AnswerPrecision, Known, ProbeScaler, Progress, _invert, ba
                      gaussian_design, linear_measurements, looks_float32, value_phase)
 from ..check import SINGLE, checked
 from ..result import Extraction
+from ...linalg import svd
 
 FLOAT32_OVERSAMPLE = 10
 """Extra sketch columns and rows used when the oracle's answers are float32 (``oversample=None``)."""
@@ -135,7 +136,7 @@ class _SketchRank:
         if ny > 0 and rho / ny > self.screen:
             self.rank += 1
             return
-        sv = np.linalg.svd(self.R[:j + 1, :j + 1], compute_uv=False)
+        sv = svd(self.R[:j + 1, :j + 1], compute_uv=False)
         self.svd_checks += 1
         self.sv = sv
         self.rank = int(np.sum(sv > self.tol * sv[0])) if sv[0] > 0 else 0
@@ -355,7 +356,7 @@ def extract_lowrank(
         W = scipy.linalg.solve(Om.T, Y.T).T
         diag_core["sketch_cond"] = float(np.linalg.cond(Om))
         ell_a = 0
-        Uw, sw, Vtw = np.linalg.svd(W)
+        Uw, sw, Vtw = svd(W)
         if rank is None:
             r = int(np.sum(sw > tol * sw[0])) if sw[0] > 0 else 0
             diag_core["W_sv_last_kept"] = float(sw[r - 1] / sw[0]) if r >= 1 else None
@@ -374,7 +375,7 @@ def extract_lowrank(
         Z = np.empty((ell_a, d))
         Z[:, Sc] = Zc
         Z[:, S] = scipy.linalg.solve(Om[S].T, (C - Zc @ Om[Sc]).T).T
-        Uc, sc, Vtc = np.linalg.svd(C, full_matrices=False)
+        Uc, sc, Vtc = svd(C, full_matrices=False)
         rk = min(r, sc.shape[0])
         if sc[rk - 1] <= 0:
             raise NotIdentifiable("the sketch core is singular: the rank is lower than assumed")

@@ -55,6 +55,7 @@ from ..result import Extraction
 from .lowrank import FLOAT32_LOGIT
 from .sensing_als import als_stall_tol, solve_als
 from .sensing_convex import CONVEX_MAX_D, check_convex_size, solve_nuclear
+from ...linalg import svd
 
 DEFAULT_OVERSAMPLING = {"convex": 3.0, "als": 1.5}
 """Measurements as a multiple of r(2d - r) when neither ``measurements`` nor ``oversampling`` is given."""
@@ -110,7 +111,7 @@ def _detect_rank(oracle, known, scaler, rng, *, chunk, progress, watch):
         vals.append(g)
         tol = float(np.sqrt(watch.unit_roundoff))
         margin = 10 if watch.name == "float32" else 2
-        sv = np.linalg.svd(C, compute_uv=False)
+        sv = svd(C, compute_uv=False)
         rank = int(np.sum(sv > tol * sv[0])) if sv[0] > 0 else 0
         if ell + 1 - rank >= margin:
             break
@@ -344,7 +345,7 @@ def extract_rop(
                             "cg_steps": fit.cg_steps})
     else:
         W, info = solve_nuclear(As, B, ts)
-        sv = np.linalg.svd(W, compute_uv=False)
+        sv = svd(W, compute_uv=False)
         diagnostics.update({"status": info["status"], "cvx_solver": info["solver"], "program": info["program"],
                             "solution_rank": int(np.sum(sv > 1e-6 * sv[0])) if sv[0] > 0 else 0,
                             "residual": float(np.linalg.norm(np.einsum("ij,ij->i", A @ W, B) - t)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ConvergenceError
+from ...linalg import pinv, svd
 
 
 STALL_TOL = 1e-5
@@ -91,7 +92,7 @@ def _half_step(A: np.ndarray, C: np.ndarray, t: np.ndarray, X0: np.ndarray, AX0:
     try:
         P = np.linalg.inv(G)
     except np.linalg.LinAlgError:
-        P = np.linalg.pinv(G)
+        P = pinv(G)
     X, AX = X0.copy(), AX0.copy()
     R = A.T @ ((t - _rowdot(AX, C))[:, None] * C)
     Z = R @ P
@@ -122,7 +123,7 @@ def _balance(U: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     factors (keeps the half-steps well conditioned)."""
     _, Ru = np.linalg.qr(U)
     _, Rv = np.linalg.qr(V)
-    X, s, Yt = np.linalg.svd(Ru @ Rv.T)
+    X, s, Yt = svd(Ru @ Rv.T)
     rs = np.sqrt(s)
     try:
         Mu = np.linalg.solve(Ru, X * rs)
@@ -136,7 +137,7 @@ def spectral_start(A: np.ndarray, B: np.ndarray, t: np.ndarray, rank: int) -> tu
     """Factors of the top-``rank`` SVD of ``(1/m) sum_k t_k a_k b_k^T``."""
     m = A.shape[0]
     M0 = A.T @ (t[:, None] * B) / m
-    Us, s, Vt = np.linalg.svd(M0)
+    Us, s, Vt = svd(M0)
     rs = np.sqrt(s[:rank])
     return Us[:, :rank] * rs, Vt[:rank].T * rs
 

@@ -64,6 +64,7 @@ from .ffn_check import ffn_preflight, ffn_verdict
 from ..probes import Progress, looks_float32
 from ..result import Fidelity
 from .kinks import find_kinks
+from ...linalg import lstsq, svd
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -606,7 +607,7 @@ def _refine_lines(ctx: _Ctx, neurons: list[_Neuron], k: int, *, extra: int = 6, 
     idx = np.arange(len(pts))
     fit = False
     for _ in range(len(pts)):
-        _, sv, Vt = np.linalg.svd(P[idx], full_matrices=True)
+        _, sv, Vt = svd(P[idx], full_matrices=True)
         nn = Vt[-1]
         if nn @ n < 0:
             nn = -nn
@@ -766,14 +767,14 @@ def _fit_faint(ctx: _Ctx, neurons: list[_Neuron], cand: _Neuron, *, iters: int =
         M = np.hstack([B, np.maximum(h, 0.0)[:, None]])
         cn = np.linalg.norm(M, axis=0)
         cn = np.where(cn > 0, cn, 1.0)
-        sol = np.linalg.lstsq(M / cn, y, rcond=None)[0] / cn
+        sol = lstsq(M / cn, y, rcond=None)[0] / cn
         r = y - M @ sol
         res = float(np.max(np.abs(r))) / ymax
         if res < best[0]:
             best = (res, n.copy(), float(sol[-1]))
         g = sol[-1]
         J = g * (h > 0)[:, None] * Z
-        step = np.linalg.lstsq(J, r, rcond=None)[0]
+        step = lstsq(J, r, rcond=None)[0]
         step -= (step @ n) * n
         if float(np.linalg.norm(step)) < 1e-9:
             break
@@ -879,9 +880,9 @@ def _fit_output(ctx: _Ctx, N: np.ndarray, gam0: np.ndarray, lin0: np.ndarray) ->
     cn = np.where(cn > 0, cn, 1.0)
     if M.shape[0] < 2 * M.shape[1]:
         return gam0, lin0, float("nan")
-    sol, *_ = np.linalg.lstsq(M / cn, y, rcond=None)
+    sol, *_ = lstsq(M / cn, y, rcond=None)
     sol = sol / cn
-    sv = np.linalg.svd(M / cn, compute_uv=False)
+    sv = svd(M / cn, compute_uv=False)
     if sv[-1] < 1e-6 * sv[0]:
         return gam0, lin0, float("nan")
     res = float(np.max(np.abs(M @ sol - y)) / max(float(np.max(np.abs(y))), 1e-300))
@@ -913,9 +914,9 @@ def _resolve_flips(Cx: np.ndarray, lx: np.ndarray, rng: np.random.Generator,
 
     if float(np.linalg.norm(lx)) <= (1e-6 if coarse else 1e-12) * scale:
         return np.zeros(m), "none needed"
-    sv = np.linalg.svd(Cx, compute_uv=False)
+    sv = svd(Cx, compute_uv=False)
     if m <= Cx.shape[0] and sv[-1] > 1e-8 * sv[0]:
-        s = np.linalg.lstsq(Cx, -lx, rcond=None)[0]
+        s = lstsq(Cx, -lx, rcond=None)[0]
         return (np.round(s), "least-squares") if accept(s) else (None, "least-squares failed")
     try:
         from scipy.optimize import linprog

@@ -40,6 +40,7 @@ from ..check import TRANSFORMER, checked
 from ..probes import Progress, looks_float32
 from .paper import _ffn_diagnostics, run_ffn_learner
 from .recovered import TransformerExtraction, ffn_parts
+from ...linalg import lstsq
 
 T_LOGIT = 2.0
 """The largest |score| a probe aims at (attention weight in [0.12, 0.88])."""
@@ -223,7 +224,7 @@ def extract_transformer(
                 break
         else:
             raise ConvergenceError(f"anchor {k}: probes still saturated after {MAX_TRIES} re-asks")
-        m = np.linalg.solve(U, meas) if U.shape[0] == d else np.linalg.lstsq(U, meas, rcond=None)[0]
+        m = np.linalg.solve(U, meas) if U.shape[0] == d else lstsq(U, meas, rcond=None)[0]
         seen.append(float(np.linalg.norm(m)) / max(lam, float(np.linalg.norm(b))))
         m_scale = max(seen) if max(seen) > 0 else m_scale
         Bm.append(b)

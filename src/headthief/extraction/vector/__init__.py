@@ -35,6 +35,7 @@ from .affine import affine_part
 from .scores import fit_scores, read_scores
 from .refine import directed_maps, solve_directed
 from .spaces import head_spaces, output_maps
+from ...linalg import svd
 
 MODEL = "a multi-head attention layer with output projection"
 FIT_LIMIT = 1e-2      # a layer whose error on its own fitted answers is above this is not the assumed model
@@ -209,7 +210,7 @@ def _assemble(sc, O, r: int, b, causal: bool, output) -> CanonicalLayer:
     """The canonical layer from stage C's scores and the output maps (each O_h cut to rank r)."""
     Us, Vts = [], []
     for h in range(len(O)):
-        U, s, Vt = np.linalg.svd(O[h], full_matrices=False)
+        U, s, Vt = svd(O[h], full_matrices=False)
         Us.append(U[:, :r])
         Vts.append((s[:r, None] * Vt[:r]).T)
     return CanonicalLayer(A=np.stack(sc.A), B=np.stack(sc.B), C=sc.C, U=np.stack(Us), Vt=np.stack(Vts),

@@ -25,6 +25,7 @@ import numpy as np
 from ...errors import NotIdentifiable
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
+from ...linalg import lstsq, svd
 
 T_GAP = 60.0          # logits every head is set from its switch (e^-45 after the model error's share)
 COUPLING = 15.0       # logits the model's error may move a gap over a perturbation
@@ -53,7 +54,7 @@ def directed_maps(oracle: Oracle, W: np.ndarray, c: np.ndarray, rel_noise: float
             v = rng.standard_normal(d)
             v *= rho * 0.85 ** attempt / np.linalg.norm(v)
             G = np.einsum("hij,j->hi", W, v) + c                           # (H, d) score gradients at v
-            delta = np.linalg.lstsq(G, T_GAP * (2 * sel - 1), rcond=None)[0]   # least norm: gaps +-T
+            delta = lstsq(G, T_GAP * (2 * sel - 1), rcond=None)[0]   # least norm: gaps +-T
             u = v + delta
             # perturbations orthogonal to every g_h (gaps unchanged) and to u (|u + p|^2 = |u|^2 + L^2)
             Qg = np.linalg.qr(np.column_stack([G.T, u]))[0]
@@ -95,7 +96,7 @@ def _patterns(H: int, maps: int, rng: np.random.Generator, candidates: int = 256
                 continue
             S = np.array(rows + [sel])
             diff = np.abs(S[:, :, None] - S[:, None, :]).sum(0) + np.eye(H) * 1e9   # maps telling h, h' apart
-            k = (diff.min(), np.linalg.svd(np.vstack([np.ones(H), S]), compute_uv=False)[-1])
+            k = (diff.min(), svd(np.vstack([np.ones(H), S]), compute_uv=False)[-1])
             if key is None or k > key:
                 best, key = sel, k
         rows.append(best)
@@ -116,13 +117,13 @@ def solve_directed(meas, M: np.ndarray, noise_M: float, H: int, r: int) -> np.nd
         Bv.append(JP.T / nz)
     A = np.vstack(A)
     Bv = np.vstack(Bv)
-    from scipy.linalg import lstsq
-    sol, _, rank, _ = lstsq(A, Bv, lapack_driver="gelsy")
+    from scipy.linalg import lstsq as scipy_lstsq
+    sol, _, rank, _ = scipy_lstsq(A, Bv, lapack_driver="gelsy")
     if rank < H * d:
         return None
     Ofull = sol.reshape(H, d, d_out).transpose(0, 2, 1)
     out = []
     for h in range(H):
-        U, s, Vt = np.linalg.svd(Ofull[h], full_matrices=False)
+        U, s, Vt = svd(Ofull[h], full_matrices=False)
         out.append((U[:, :r] * s[:r]) @ Vt[:r])
     return np.stack(out)

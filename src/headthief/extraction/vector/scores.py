@@ -26,6 +26,7 @@ import numpy as np
 from ...errors import NotIdentifiable
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
+from ...linalg import lstsq, svd
 
 FLOOR = 1e-4        # attention weights below FLOOR * max are not read (their log is noise)
 
@@ -44,8 +45,8 @@ class Scores:
 def _lstsq(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """Least squares by column-pivoted QR (LAPACK gelsy): same answer as the SVD solver on these full-rank
     designs, several times faster (stage C solves thousands)."""
-    from scipy.linalg import lstsq
-    return lstsq(A, B, lapack_driver="gelsy", check_finite=False)[0]
+    from scipy.linalg import lstsq as scipy_lstsq
+    return scipy_lstsq(A, B, lapack_driver="gelsy", check_finite=False)[0]
 
 
 def joint_weights(G: np.ndarray, vis: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -57,7 +58,7 @@ def joint_weights(G: np.ndarray, vis: np.ndarray, y: np.ndarray) -> np.ndarray:
     k = len(vis)
     last = G[:, :, vis[-1]]                                            # (H, d_out)
     F = (G[:, :, vis[:-1]] - last[:, :, None]).transpose(1, 0, 2).reshape(G.shape[1], H * (k - 1))
-    w = np.linalg.lstsq(F, y - last.sum(0), rcond=None)[0].reshape(H, k - 1)
+    w = lstsq(F, y - last.sum(0), rcond=None)[0].reshape(H, k - 1)
     return np.hstack([w, 1.0 - w.sum(1, keepdims=True)])
 
 
@@ -250,7 +251,7 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                 D = np.concatenate([x for _, x, _ in lst])
                 w = np.concatenate([x for _, _, x in lst])
                 if E.shape[0] >= d:
-                    sol, _, rank_E, _ = np.linalg.lstsq(E * w[:, None], D * w, rcond=None)
+                    sol, _, rank_E, _ = lstsq(E * w[:, None], D * w, rcond=None)
                     if rank_E == d:                     # (lstsq's own rank: no second SVD)
                         key_rows[h].append(sol)
             if anchor_diffs[h]:
@@ -258,7 +259,7 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
                 if len(qq) >= d + 1:
                     order = np.lexsort((tt, qq))            # read by read, as the reads were taken
                     Xt = np.hstack([xt[order], np.ones((len(qq), 1))])
-                    sol, _, rank_X, _ = np.linalg.lstsq(Xt * w[order, None], V[order] * w[order, None], rcond=None)
+                    sol, _, rank_X, _ = lstsq(Xt * w[order, None], V[order] * w[order, None], rcond=None)
                     if rank_X == d + 1:
                         qry_rows[h] += list(sol[:d].T)
     A, B, C, rms = [], [], [], []
@@ -268,8 +269,8 @@ def fit_scores(reads: Reads, b: np.ndarray, O: np.ndarray, rng: np.random.Genera
         if Ka.shape[1] < r or Qa.shape[1] < r:
             raise NotIdentifiable(f"head {h}: only {Ka.shape[1]} key-space and {Qa.shape[1]} query-space vectors "
                                   f"were read (need {r} each)")
-        Ak = np.linalg.svd(Ka, full_matrices=False)[0][:, :r]
-        Bq = np.linalg.svd(Qa, full_matrices=False)[0][:, :r]
+        Ak = svd(Ka, full_matrices=False)[0][:, :r]
+        Bq = svd(Qa, full_matrices=False)[0][:, :r]
         rows = np.concatenate(eqs[h])
         rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]     # read by read, tokens in order
         ee, DD, ww = rows[:, :4].astype(np.int64), rows[:, 4], rows[:, 5]

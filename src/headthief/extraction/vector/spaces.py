@@ -28,6 +28,7 @@ from ...errors import NotIdentifiable
 from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from .affine import Affine, token_scale
+from ...linalg import lstsq, pinv, svd
 
 CANDIDATES = 8       # two-token configurations screened per map (3 queries each)
 ETA = 0.01           # perturbation of u, relative to the token norm: small, so no head desaturates across it
@@ -49,7 +50,7 @@ class Spaces:
 
 
 def _rank(M: np.ndarray, rel_noise: float) -> tuple[np.ndarray, int, np.ndarray]:
-    U, s, Vt = np.linalg.svd(M, full_matrices=False)
+    U, s, Vt = svd(M, full_matrices=False)
     tol = s[0] * max(30 * rel_noise * np.sqrt(M.shape[0]), 1e-10)     # 30 x the noise one answer carries
     r = int(np.sum(s > tol))
     return U[:, :r], r, s
@@ -61,7 +62,7 @@ def _split(parts: list[np.ndarray], P: np.ndarray) -> tuple[list[np.ndarray], bo
     out, split, dev = [], False, 0.0
     for B in parts:
         m = B.shape[1]
-        Pb = np.linalg.lstsq(B, P @ B, rcond=None)[0]                       # P restricted to the part
+        Pb = lstsq(B, P @ B, rcond=None)[0]                       # P restricted to the part
         ev = np.linalg.eigvals(Pb).real
         k = int(np.sum(ev > 0.5))
         off = float(np.max(np.minimum(np.abs(ev), np.abs(ev - 1))))
@@ -69,8 +70,8 @@ def _split(parts: list[np.ndarray], P: np.ndarray) -> tuple[list[np.ndarray], bo
             out.append(B)                     # no split, or not clearly a projector on this part: keep it whole
             continue
         dev = max(dev, off)
-        U1 = np.linalg.svd(Pb)[0][:, :k]
-        U0 = np.linalg.svd(np.eye(m) - Pb)[0][:, :m - k]
+        U1 = svd(Pb)[0][:, :k]
+        U0 = svd(np.eye(m) - Pb)[0][:, :m - k]
         out += [np.linalg.qr(B @ U1)[0], np.linalg.qr(B @ U0)[0]]
         split = True
     return out, split, dev
@@ -80,7 +81,7 @@ def _col_rank(J: np.ndarray, noise: float) -> tuple[np.ndarray, int, float]:
     """Left singular vectors of J, its rank and the gap there. The rank is the widest ratio gap among the
     singular values above 10x the noise's spectral norm (a head that is nearly but not wholly saturated
     leaks small rank-one terms above the noise; the heads' own singular values sit orders higher)."""
-    U, s, _ = np.linalg.svd(J, full_matrices=False)
+    U, s, _ = svd(J, full_matrices=False)
     floor = max(noise, 1e-300)
     above = int(np.sum(s > 10.0 * floor))
     if above == 0:
@@ -120,7 +121,7 @@ def head_spaces(oracle: Oracle, aff: Affine, rng: np.random.Generator, *, heads:
     if heads is not None and r % heads and min(aff.M.shape) % heads:     # (rank M may still be revised up)
         raise NotIdentifiable(f"M = sum_h O_h has rank {r}, which {heads} heads of equal size cannot make "
                               "(give --heads auto, or check --heads)")
-    Uall = np.linalg.svd(aff.M, full_matrices=False)[0]
+    Uall = svd(aff.M, full_matrices=False)[0]
     R = oracle.input_norm
     rho = 0.97 * R if R is not None else 30.0 * np.sqrt(d)
     eta = ETA
@@ -272,7 +273,7 @@ def output_maps(sp: Spaces, M: np.ndarray, model=None) -> tuple[np.ndarray, int]
     if O is not None:
         return O, rank
     Ball = np.hstack(bases)
-    Binv = np.linalg.pinv(Ball)
+    Binv = pinv(Ball)
     return np.stack([bases[h] @ (Binv[h * r:(h + 1) * r] @ M) for h in range(H)]), rank
 
 
@@ -285,9 +286,9 @@ def solve_output_maps(rows, mats, noises, r: int) -> tuple[np.ndarray | None, in
     rank = int(np.linalg.matrix_rank(S))
     if rank < H:
         return None, rank
-    O = np.einsum("hk,kij->hij", np.linalg.pinv(S), np.stack(mats) * w[:, None, None])
+    O = np.einsum("hk,kij->hij", pinv(S), np.stack(mats) * w[:, None, None])
     out = []
     for h in range(H):
-        U, s, Vt = np.linalg.svd(O[h], full_matrices=False)
+        U, s, Vt = svd(O[h], full_matrices=False)
         out.append((U[:, :r] * s[:r]) @ Vt[:r])
     return np.stack(out), rank
