@@ -21,17 +21,19 @@ are unknowns.
     .venv/bin/python benchmarks/bench_vector.py --quick           # d <= 64 (~10 s)
     .venv/bin/python benchmarks/bench_vector.py --plot docs/img/vector_scaling.png --json rows.json
 
-measured on this machine (2 cores, sharing them with the test suite; 1 seed; R = the aimed maps of refine.py;
-(128, 2) was stopped after 10 minutes, head_dim 64 makes the core fit 4,096 unknowns per head; (512, 16) and
-(1024, 16) not run at the session's end):
+measured on this machine (2 cores; 1 seed; R = the aimed maps of refine.py; 2026-12-04, after stage C's reads were
+batched and with headthief.linalg's SVD fallback: the d = 64 row had failed with "SVD did not converge" in stage B
+on numpy 2.4.6 / OpenBLAS 0.3.31; one thread, beside another run; (128, 2), (512, 16) and (1024, 16) not run):
 
         d   H   dh seed queries     A      B     C     R heads     sec    wall    W err    c err    O err fidelity info lim
-       32   4    8    0     811    42    336   265   168     4     0.9     1.1 1.1e-14 8.8e-16 2.7e-15 7.2e-14     39.9
-       64   4   16    0    1171    74    528   209   360     4     6.8     6.8 2.7e-14 2.4e-15 4.2e-15 1.4e-13     71.9
-      128   4   32    0    2178   138   1064   232   744     4    70.5    70.5 2.4e-14 2.3e-15 3.5e-15 1.5e-13    132.1
-      128   8   16    0    2971   138   1216   417  1200     8    39.9    40.0 3.4e-14 2.6e-15 3.8e-15 1.3e-13    166.5
-      128  16    8    0    4403   138   1216  1033  2016    16    41.4    41.5 1.0e-13 1.3e-14 2.1e-14 4.5e-13    191.9
-      256  16   16    0    7371   266   1960   825  4320    16   123.1   123.8 4.9e-14 4.1e-15 5.0e-15 2.0e-13    367.2
+       32   4    8    0     811    42    336   265   168     4     0.6     0.7 1.3e-14 1.5e-15 2.7e-15 8.7e-14     39.9
+       64   4   16    0    1171    74    528   209   360     4     3.3     3.3 2.5e-14 2.0e-15 2.9e-15 1.4e-13     71.9
+      128   4   32    0    2178   138   1064   232   744     4    50.8    50.8 3.0e-14 2.8e-15 3.4e-15 1.6e-13    132.1
+      128   8   16    0    2971   138   1216   417  1200     8    12.5    12.6 3.8e-14 3.6e-15 4.0e-15 1.8e-13    166.5
+      128  16    8    0    4403   138   1216  1033  2016    16    12.9    13.0 1.1e-13 9.9e-15 1.6e-14 4.4e-13    191.9
+      256  16   16    0    7371   266   1960   825  4320    16    73.2    73.5 5.6e-14 5.2e-15 6.7e-15 2.4e-13    367.2
+
+(before the batching, earlier session: 0.9 / 6.8 / 70.5 / 39.9 / 41.4 / 123.1 s for the same rows, the same queries.)
 """
 
 from __future__ import annotations

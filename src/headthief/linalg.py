@@ -6,8 +6,9 @@ OpenMathLib/OpenBLAS#3044). Measured here: a 64 x 64 matrix of stage B of ``--me
 ``random_layer(64, 4, seed=0)`` (entries below 0.45, singular values 2.3 down) with numpy 2.4.6's OpenBLAS 0.3.31
 and one thread, where ``gesvd`` succeeds. :func:`svd` is numpy's, and retries such a matrix with ``gesvd`` (the
 QR iteration: slower, the same decomposition to rounding). :func:`pinv` and :func:`lstsq` (numpy's SVD-based
-pseudo-inverse and least squares, ``gelsd``) fall back the same way. Every SVD, pseudo-inverse and least-squares
-solve in headthief goes through them.
+pseudo-inverse and least squares, ``gelsd``) fall back the same way. Every ``svd``, ``pinv`` and ``lstsq`` call
+in headthief goes through them (``matrix_rank``, ``cond`` and 2-norms, which need singular values only, call
+numpy directly).
 """
 
 from __future__ import annotations
