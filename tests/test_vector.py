@@ -183,3 +183,25 @@ def test_stage_c_reads_every_querys_weights_at_once_as_one_at_a_time(causal):
     assert np.all(np.isfinite(w))
     for q in range(3):
         np.testing.assert_allclose(w[q], _lstsq(F[q], R[q]), rtol=0, atol=1e-10)
+
+
+def test_stage_c_reads_twice_as_much_from_rounded_answers_at_every_position():
+    """float32 answers at every position: stage C takes OVERSAMPLE_NOISY reads (the score fit's variance
+    halved: on 20 unseen d = 32 layers W_h 2.2x and the fidelity 2x closer, docs/vector.md; one small layer's
+    gain is within rounding, so it is not asserted here); exact answers, and the last position's only,
+    OVERSAMPLE_EXACT."""
+    from headthief.extraction import vector
+    got = {}
+    for spec in ("mha:d=16,heads=2,seed=5,output=all,dtype=float32", "mha:d=16,heads=2,seed=5,output=all",
+                 "mha:d=16,heads=2,seed=5,output=last,dtype=float32"):
+        t = resolve(spec)
+        res = extract_vector(t.make_oracle(), rng=0)
+        two = extract_vector(t.make_oracle(), rng=0, oversample=vector.OVERSAMPLE_EXACT)
+        got[spec] = res.diagnostics["stage_C_oversample"]
+        assert res.check.verdict == two.check.verdict == "pass"
+        if got[spec] == vector.OVERSAMPLE_NOISY:
+            assert res.diagnostics["stage_C_queries"] > two.diagnostics["stage_C_queries"]
+            assert max(res.errors(t.truth)["W_rel_err"], two.errors(t.truth)["W_rel_err"]) <= 1e-4
+        else:
+            assert res.queries == two.queries
+    assert list(got.values()) == [vector.OVERSAMPLE_NOISY, vector.OVERSAMPLE_EXACT, vector.OVERSAMPLE_EXACT]

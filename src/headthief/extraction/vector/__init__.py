@@ -27,12 +27,17 @@ import numpy as np
 
 from ...errors import NotIdentifiable, SpecError
 from ...models.mha import CanonicalLayer
+from ...oracles.answers import Output
 from ...oracles.base import Oracle
 from ..check import counters, cost, fresh_verdict
 from ..precision import ModelCheck
 from ..result import Fidelity, freeze_fields
 from .affine import affine_part
 from .scores import fit_scores, read_scores
+
+OVERSAMPLE_EXACT = 2.0     # stage C's reads per direction they tell, exact (float64) answers
+OVERSAMPLE_NOISY = 4.0     # ... rounded answers (measured relative noise above NOISY: float32); docs/vector.md
+NOISY = 1e-9
 from .refine import directed_maps, solve_directed
 from .spaces import head_spaces, output_maps
 from ...linalg import svd
@@ -117,11 +122,16 @@ def vector_fidelity(layer: CanonicalLayer, oracle: Oracle, n: int, *, rng=0, max
 
 def extract_vector(oracle: Oracle, *, heads: int | None = None, causal: bool | None = None,
                    rng: np.random.Generator | int = 0, check: bool = True, verify: int = 256, check_rng: int = 10_000,
-                   oversample: float = 2.0, max_maps: int = 40, refine: bool = True,
+                   oversample: float | None = None, max_maps: int = 40, refine: bool = True,
                    progress=None) -> VectorExtraction:
     """Recover a multi-head attention layer with output projection from vector answers (see the module).
 
     Args:
+        oversample: stage C's reads per direction they must tell (:func:`.scores.read_scores`); None
+            (default): :data:`OVERSAMPLE_NOISY` for rounded answers at every position (measured relative noise
+            above :data:`NOISY`: float32), else :data:`OVERSAMPLE_EXACT`. Twice the reads halve the score fit's
+            variance; with the last position's answers only, a read is one query (8,304 of MiniLM layer 2's
+            18,815 queries), so there the reads stay as for exact answers (measured in docs/vector.md).
         refine: after stage C, take aimed maps (:mod:`.refine`: every head set 60 logits to a chosen side
             by the recovered score gradients, perturbations half the token long off those gradients;
             (H + 2)(d - H) more queries), solve the O_h from them and refit the scores; kept only where
@@ -156,6 +166,9 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, causal: bool | N
     # the reads see the mask only where they read earlier positions: at the last one it attends to every token
     # either way, so a declared mask changes no query and no fitted number there, only the layer assembled below
     masked_reads = bool(aff.causal) and aff.detected is not None
+    if oversample is None:
+        noisy = aff.rel_noise > NOISY and oracle.output is not Output.LAST
+        oversample = OVERSAMPLE_NOISY if noisy else OVERSAMPLE_EXACT
     sc, reads = read_scores(oracle, aff.b, O, rng, causal=masked_reads, oversample=oversample, progress=progress)
     r = sp.bases[0].shape[1]
     layer = _assemble(sc, O, r, aff.b, bool(aff.causal), oracle.output)
@@ -194,7 +207,7 @@ def extract_vector(oracle: Oracle, *, heads: int | None = None, causal: bool | N
     spent = oracle.queries - before["queries"]
     diag = {"heads_found": len(sp.bases), "head_dim": int(sp.bases[0].shape[1]), "rank_M": sp.rank,
             "causal": aff.causal, **({"causal_declared": aff.declared} if aff.declared is not None else {}),
-            "answer_rel_noise": aff.rel_noise, "stage_A_queries": aff.queries,
+            "answer_rel_noise": aff.rel_noise, "stage_C_oversample": float(oversample), "stage_A_queries": aff.queries,
             "stage_B_queries": sp.queries, "stage_C_queries": sc.queries,
             "stage_R_queries": int(refined.get("refine_queries", 0)), "refine_kept": bool(refined.get("kept", False)), "saturated_maps": sp.maps,
             "maps_rejected": sp.rejected, "selection_rank": design_rank, "map_idempotency": sp.idempotency, "score_fit_rms": sc.fit_rms,
