@@ -16,6 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def _finite_or_raise(*arrays) -> None:
+    if not all(np.all(np.isfinite(np.asarray(x))) for x in arrays):
+        raise np.linalg.LinAlgError("SVD did not converge: the matrix has a NaN or an infinity")
+
+
 def svd(a, full_matrices: bool = True, compute_uv: bool = True):
     """``numpy.linalg.svd(a, full_matrices, compute_uv)``; where LAPACK's ``gesdd`` does not converge on a finite
     ``a``, ``scipy.linalg.svd(..., lapack_driver="gesvd")`` instead (stacked matrices one by one).
@@ -24,8 +29,7 @@ def svd(a, full_matrices: bool = True, compute_uv: bool = True):
         return np.linalg.svd(a, full_matrices=full_matrices, compute_uv=compute_uv)
     except np.linalg.LinAlgError:
         a = np.asarray(a)
-        if not np.all(np.isfinite(a)):
-            raise
+        _finite_or_raise(a)
     from scipy.linalg import svd as scipy_svd
 
     def one(m):
@@ -38,11 +42,6 @@ def svd(a, full_matrices: bool = True, compute_uv: bool = True):
     if not compute_uv:
         return np.stack(parts).reshape(*lead, -1)
     return tuple(np.stack([p[k] for p in parts]).reshape(*lead, *parts[0][k].shape) for k in range(3))
-
-
-def _finite_or_raise(*arrays) -> None:
-    if not all(np.all(np.isfinite(np.asarray(x))) for x in arrays):
-        raise np.linalg.LinAlgError("SVD did not converge: the matrix has a NaN or an infinity")
 
 
 def pinv(a, rcond=None, hermitian: bool = False):
@@ -72,7 +71,7 @@ def lstsq(a, b, rcond=None):
         _finite_or_raise(a, b)
     from scipy.linalg import lstsq as scipy_lstsq
     a, b = np.asarray(a), np.asarray(b)
-    cond = max(a.shape) * np.finfo(float).eps if rcond is None or rcond < 0 else float(rcond)
+    cond = max(a.shape) * np.finfo(float).eps if rcond is None else float(rcond)   # LAPACK reads cond < 0 as its eps
     x, res, rank, sv = scipy_lstsq(a, b, cond=cond, check_finite=False, lapack_driver="gelss")
     return x, np.atleast_1d(np.asarray(res, dtype=float)), int(rank), sv
 

@@ -34,15 +34,14 @@ from ..precision import ModelCheck
 from ..result import Fidelity, freeze_fields
 from .affine import affine_part
 from .scores import fit_scores, read_scores
-
-OVERSAMPLE_EXACT = 2.0     # stage C's reads per direction they tell, exact (float64) answers
-OVERSAMPLE_NOISY = 4.0     # ... rounded answers (measured relative noise above NOISY: float32); docs/vector.md
-NOISY = 1e-9
 from .refine import directed_maps, solve_directed
 from .spaces import head_spaces, output_maps
 from ...linalg import svd
 
 MODEL = "a multi-head attention layer with output projection"
+OVERSAMPLE_EXACT = 2.0     # stage C's reads per direction they tell, exact (float64) answers
+OVERSAMPLE_NOISY = 4.0     # ... rounded answers (measured relative noise above NOISY: float32); docs/vector.md
+NOISY = 1e-9
 FIT_LIMIT = 1e-2      # a layer whose error on its own fitted answers is above this is not the assumed model
 POLISH_ROUNDS = 3     # refits of the O_h (maps cleared of unsaturated heads) and the scores, from answers paid for
 

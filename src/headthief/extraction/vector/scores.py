@@ -54,12 +54,18 @@ def joint_weights(G: np.ndarray, vis: np.ndarray, y: np.ndarray) -> np.ndarray:
     ``G_h = O_h X^T`` (H, d_out, n) and each ``a_h`` summing to one, by one least-squares solve. Reading all
     heads jointly needs only the directions ``O_h x_i`` to be independent, not the heads' whole spaces: a
     real layer's stacked spaces are far worse conditioned (MiniLM layer 2: 1.6e3) than these few columns."""
-    H = G.shape[0]
-    k = len(vis)
-    last = G[:, :, vis[-1]]                                            # (H, d_out)
-    F = (G[:, :, vis[:-1]] - last[:, :, None]).transpose(1, 0, 2).reshape(G.shape[1], H * (k - 1))
-    w = lstsq(F, y - last.sum(0), rcond=None)[0].reshape(H, k - 1)
-    return np.hstack([w, 1.0 - w.sum(1, keepdims=True)])
+    return _stack_weights(G[None][..., vis], y[None, :, None])[0, ..., 0]
+
+
+def _stack_weights(G: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """:func:`joint_weights` for a stack of queries and answers: ``G`` (q, H, d_out, k) the visible tokens'
+    directions, ``Y`` (q, d_out, p) answers minus b (p of them a query, one design for all); (q, H, k, p)
+    weights, each summing to one over the k tokens."""
+    nq, H, do, k = G.shape
+    last = G[..., -1]                                                          # (q, H, d_out)
+    F = (G[..., :-1] - last[..., None]).transpose(0, 2, 1, 3).reshape(nq, do, H * (k - 1))
+    w = _solve_stack(F, Y - last.sum(1)[..., None]).reshape(nq, H, k - 1, -1)
+    return np.concatenate([w, 1.0 - w.sum(2, keepdims=True)], 2)
 
 
 @dataclass(frozen=True)
@@ -151,29 +157,13 @@ def _solve_stack(F: np.ndarray, R: np.ndarray) -> np.ndarray:
 
 
 def _run_weights(G: np.ndarray, Y: np.ndarray, positions, causal: bool) -> dict:
-    """Every head's attention weights at every read position of a stack of queries (the weights of
-    :func:`joint_weights`, for all positions and queries at once; bidirectional: one design a query for all its
-    positions): ``G`` (q, H, d_out, n), ``Y`` (q, positions, d_out) answers minus b; ``{t: (q, H, visible)
-    weights}``."""
-    nq, H, do, n = G.shape
-    out = {}
+    """Every head's attention weights at every read position of a stack of queries (:func:`_stack_weights`;
+    bidirectional: one design a query for all its positions): ``G`` (q, H, d_out, n), ``Y`` (q, positions,
+    d_out) answers minus b; ``{t: (q, H, visible) weights}``."""
     if not causal:
-        last = G[..., n - 1]                                                   # (q, H, d_out)
-        F = (G[..., :n - 1] - last[..., None]).transpose(0, 2, 1, 3).reshape(nq, do, H * (n - 1))
-        rhs = (Y - last.sum(1)[:, None, :]).transpose(0, 2, 1)               # (q, d_out, positions)
-        w = _solve_stack(F, rhs).reshape(nq, H, n - 1, len(positions))
-        for i, t in enumerate(positions):
-            wt = w[..., i]
-            out[t] = np.concatenate([wt, 1.0 - wt.sum(-1, keepdims=True)], -1)
-        return out
-    for i, t in enumerate(positions):
-        if t < 1:
-            continue
-        last = G[..., t]
-        F = (G[..., :t] - last[..., None]).transpose(0, 2, 1, 3).reshape(nq, do, H * t)
-        w = _solve_stack(F, (Y[:, i] - last.sum(1))[..., None])[..., 0].reshape(nq, H, t)
-        out[t] = np.concatenate([w, 1.0 - w.sum(-1, keepdims=True)], -1)
-    return out
+        w = _stack_weights(G, Y.transpose(0, 2, 1))
+        return {t: w[..., i] for i, t in enumerate(positions)}
+    return {t: _stack_weights(G[..., :t + 1], Y[:, i, :, None])[..., 0] for i, t in enumerate(positions) if t >= 1}
 
 
 def _runs(group):
