@@ -243,6 +243,17 @@ def test_cli_refusal_exit_5_and_several_heads(capsys):
     assert rc == 0 and row["W_rel_err"] <= 1e-8 and row["heads"] == 2
 
 
+def test_cli_heads_auto_takes_the_published_head_count(capsys):
+    # --heads auto on a target that publishes heads=2: both heads extracted (it used to mean one head, and the
+    # one-head method ended in a failed model check); a contradicting --heads and FFN biases are refused
+    rc, row, err = _cli(capsys, "--target", "transformer:d=8,m=12,seed=3,heads=2")
+    assert rc == 0 and row["heads"] == 2 and row["W_rel_err"] <= 1e-8
+    rc, row, err = _cli(capsys, "--target", "transformer:d=8,m=12,seed=3,heads=2", "--heads", "3")
+    assert rc == 2 and "contradicts" in err and row["queries_sent"] == 0
+    rc, row, err = _cli(capsys, "--target", "transformer:d=8,m=12,seed=3,heads=2,bias=1")
+    assert rc == 2 and "needs an FFN without biases" in err
+
+
 # --------------------------------------------------------------------------- with the real FFN learner
 
 

@@ -272,10 +272,17 @@ METHODS: dict[str, Method] = {
 # --------------------------------------------------------------------------- one-layer transformers (issue 10)
 
 
-def _transformer_heads(args) -> int:
-    """--heads for the transformer methods: an integer; 'auto' means one head (the paper's model)."""
+def _transformer_heads(args, target) -> int:
+    """--heads for the transformer methods: an integer; 'auto' means the head count the target publishes
+    (``transformer:heads=H``, ``torch-transformer:heads=H``), else one head (the paper's model). A given H
+    that contradicts a published one is refused (the run would end in a failed model check instead)."""
     h = _heads_arg(args)
-    return 1 if h is None else h
+    published = (target.info or {}).get("heads") if target is not None else None
+    if h is None:
+        return int(published) if published else 1
+    if published and int(published) != h:
+        raise SpecError(f"--heads {h} contradicts {target.spec}, which has {published} heads")
+    return h
 
 
 def _kink_check(res, target, args, clean=None):
@@ -313,7 +320,7 @@ def _kink_check(res, target, args, clean=None):
 
 def _run_transformer_paper(oracle, target, args, progress, clean=None):
     from .extraction.transformer.paper import extract_transformer_heads, extract_transformer_paper
-    H = _transformer_heads(args)
+    H = _transformer_heads(args, target)
     rng = np.random.default_rng(args.seed)
     if H > 1:
         return extract_transformer_heads(oracle, **check_kw(args), heads=H, max_heads=args.max_heads, rng=rng,
@@ -324,7 +331,7 @@ def _run_transformer_paper(oracle, target, args, progress, clean=None):
 def _run_transformer(oracle, target, args, progress, clean=None):
     from .extraction.transformer.paper import extract_transformer_heads
     from .extraction.transformer.through_ffn import extract_transformer
-    H = _transformer_heads(args)
+    H = _transformer_heads(args, target)
     rng = np.random.default_rng(args.seed)
     if H > 1:
         if target.bias:
