@@ -335,7 +335,9 @@ def test_a_neuron_search_cut_short_goes_on_where_it_was_kept(tmp_path, monkeypat
     for name in ("W1", "W2", "b1", "ln1_gamma", "ln2_gamma"):          # the uninterrupted run's, bit for bit
         assert np.array_equal(getattr(rep.result.block, name), getattr(whole.result.block, name))
     other = ht.extract(spec, "block", verify=64, stage_f="probes", journal=journal)   # finished: nothing redone
-    assert other.row["resumed_from"] == "A" and other.row["queries_fresh"] == 0     # float64's last stage
+    last = "R" if "queries_stage_R" in r else "A"     # float64's last stage: A, or the polish R where stage A's
+    # heads fell short of POLISH_ABOVE in sample (a matter of rounding: R on some machines' BLAS, A on others)
+    assert other.row["resumed_from"] == last and other.row["queries_fresh"] == 0
 
 
 def test_journal_show_says_where_a_run_stands(tmp_path, capsys):
