@@ -177,6 +177,17 @@ def _expected_rop(target, args):
         return None
 
 
+def _given_or_published(what: str, given: int | None, published, spec: str) -> int | None:
+    """A size the user may give (``--heads``, ``--layers``) and the target may publish: the given one, checked
+    against the published one (a contradiction is refused: the run would end in a failed model check), else
+    the published one, else None."""
+    if given is not None:
+        if published is not None and int(published) != int(given):
+            raise SpecError(f"--{what} {given} contradicts {spec}, which has {published} {what}")
+        return int(given)
+    return int(published) if published is not None else None
+
+
 def _heads_arg(args) -> int | None:
     h = getattr(args, "heads", None)
     if h is None or str(h).strip().lower() == "auto":
@@ -276,13 +287,8 @@ def _transformer_heads(args, target) -> int:
     """--heads for the transformer methods: an integer; 'auto' means the head count the target publishes
     (``transformer:heads=H``, ``torch-transformer:heads=H``), else one head (the paper's model). A given H
     that contradicts a published one is refused (the run would end in a failed model check instead)."""
-    h = _heads_arg(args)
-    published = (target.info or {}).get("heads") if target is not None else None
-    if h is None:
-        return int(published) if published else 1
-    if published and int(published) != h:
-        raise SpecError(f"--heads {h} contradicts {target.spec}, which has {published} heads")
-    return h
+    H = _given_or_published("heads", _heads_arg(args), (target.info or {}).get("heads"), target.spec)
+    return 1 if H is None else H
 
 
 def _kink_check(res, target, args, clean=None):
@@ -440,13 +446,9 @@ def encoder_layers(info: dict, given: int | None, oracle, target) -> int:
     size when they are every layer's hidden states (``d_out = (L + 1) d``, L >= 1). A ``--layers`` that
     contradicts the target's own count is refused."""
     spec = target.spec if target is not None else "the oracle"
-    published = info.get("layers") or info.get("n_layers")
-    if given is not None:
-        if published is not None and int(published) != int(given):
-            raise SpecError(f"--layers {given} contradicts {spec}, which has {published} layers")
-        return int(given)
-    if published is not None:
-        return int(published)
+    L = _given_or_published("layers", given, info.get("layers") or info.get("n_layers"), spec)
+    if L is not None:
+        return L
     d, d_out = oracle.d, oracle.d_out
     if d_out > d and d_out % d == 0:
         return d_out // d - 1
